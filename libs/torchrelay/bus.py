@@ -1,0 +1,592 @@
+"""The bus: JetStream events, core-NATS streams, request/reply and the generations KV.
+
+Every service talks to every other through this module. It owns the reliability rules of
+DESIGN.md §2: deterministic ``Nats-Msg-Id`` on publish, explicit durable consumers, ack only
+after the handler's effects, nak with delay on transient errors, dead letters with a reason
+for poison messages, dedupe by ``event_id``, deadlines on requests, compare-and-set on KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    PubAck,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from pydantic import BaseModel, ValidationError
+
+from torchrelay.contract import (
+    CONSUMERS,
+    GENERATIONS_BUCKET,
+    STREAMS,
+    ConsumerSpec,
+    DeadLetter,
+    Event,
+    Generation,
+    Message,
+    RpcError,
+    RpcReply,
+    Subjects,
+    model_for_subject,
+)
+from torchrelay.observability import ServiceMetrics, context_from_headers, inject_headers, tracer
+
+log = logging.getLogger("torchrelay.bus")
+
+MAX_DLQ_PAYLOAD = 64 * 1024
+
+
+class BusError(RuntimeError):
+    """A bus operation failed; the message says which and what to do."""
+
+
+class NoResponder(BusError):
+    """A request got no answer within its deadline."""
+
+
+class RpcFailed(BusError):
+    """The service answered a request with an error."""
+
+    def __init__(self, subject: str, error: RpcError) -> None:
+        where = f" (field {error.field})" if error.field else ""
+        super().__init__(f"{subject}: {error.code}: {error.message}{where}")
+        self.subject = subject
+        self.error = error
+
+
+class StaleRevision(BusError):
+    """A compare-and-set KV update was refused: someone wrote the key since we read it."""
+
+
+class TransientError(Exception):
+    """Raised by a handler: retry later (the message is nak'd with a delay)."""
+
+    def __init__(self, message: str, delay_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
+
+
+class PermanentError(Exception):
+    """Raised by a handler: the message can never succeed; it goes to the dead-letter subject."""
+
+
+class RequestInvalid(Exception):
+    """Raised by an RPC handler: the request is invalid (names the field)."""
+
+    def __init__(self, message: str, field: str | None = None,
+                 code: str = "invalid") -> None:
+        super().__init__(message)
+        self.field = field
+        self.code = code
+
+
+class NotFound(RequestInvalid):
+    """Raised by an RPC handler: the object does not exist (or is not visible)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message, field, code="not_found")
+
+
+class Conflict(RequestInvalid):
+    """Raised by an RPC handler: the request conflicts with the current state."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message, field, code="conflict")
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """A one-line message for a validation error and the first offending field."""
+    parts = []
+    first: str | None = None
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"])
+        first = first or (loc or None)
+        parts.append(f"{loc or 'body'}: {err['msg']}")
+    return "; ".join(parts), first
+
+
+class Deduper(Protocol):
+    """Remembers the ``event_id``s a consumer has fully processed."""
+
+    async def seen(self, event_id: str) -> bool: ...
+
+    async def mark(self, event_id: str) -> None: ...
+
+
+class RedisDeduper:
+    """Processed event ids in Redis under the service's own prefix, kept for ``ttl_s``."""
+
+    def __init__(self, redis: Any, prefix: str, ttl_s: int = 7 * 24 * 3600) -> None:
+        self._redis = redis
+        self._prefix = prefix
+        self._ttl = ttl_s
+
+    async def seen(self, event_id: str) -> bool:
+        return bool(await self._redis.exists(f"{self._prefix}:seen:{event_id}"))
+
+    async def mark(self, event_id: str) -> None:
+        await self._redis.set(f"{self._prefix}:seen:{event_id}", b"1", ex=self._ttl)
+
+
+class MemoryDeduper:
+    """In-process dedupe, for processes without Redis (node agents, tools)."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._seen: dict[str, None] = {}
+        self._capacity = capacity
+
+    async def seen(self, event_id: str) -> bool:
+        return event_id in self._seen
+
+    async def mark(self, event_id: str) -> None:
+        self._seen[event_id] = None
+        if len(self._seen) > self._capacity:
+            self._seen.pop(next(iter(self._seen)))
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Metadata of one delivery of a stream message to a handler."""
+
+    subject: str
+    num_delivered: int
+    stream_seq: int
+    headers: dict[str, str]
+
+
+EventHandler = Callable[[Event, Delivery], Awaitable[None]]
+RpcHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+
+
+def _headers(msg: Msg) -> dict[str, str]:
+    return dict(msg.headers or {})
+
+
+class Bus:
+    """A connection to NATS for one process (``service`` names it in logs and dead letters)."""
+
+    def __init__(self, nc: NatsClient, service: str, metrics: ServiceMetrics | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.service = service
+        self.metrics = metrics
+        self._kv: KeyValue | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[Any] = []
+        self._stopping = asyncio.Event()
+
+    # ----------------------------------------------------------------- connection
+
+    @classmethod
+    async def connect(cls, url: str, service: str, *, credentials: str | None = None,
+                      timeout: float = 10.0, metrics: ServiceMetrics | None = None,
+                      user: str | None = None, password: str | None = None) -> Bus:
+        """Connect with retry until ``timeout``; fail with a message naming ``NATS_URL``.
+
+        Args:
+            url: one or more ``nats://`` URLs, comma-separated.
+            service: the process's name (logs, dead letters, connection name).
+            credentials: a ``.creds`` file, or a file holding ``user:password``.
+            timeout: how long to keep retrying the first connection.
+            metrics: the service's metrics, to count dead letters.
+            user: user name (instead of a credentials file).
+            password: password for ``user``.
+        """
+        opts: dict[str, Any] = {"name": service, "max_reconnect_attempts": -1,
+                                "reconnect_time_wait": 0.2, "allow_reconnect": True}
+        if credentials:
+            text = open(credentials).read().strip()  # noqa: ASYNC230, PTH123, SIM115
+            if "BEGIN NATS USER JWT" in text:
+                opts["user_credentials"] = credentials
+            else:
+                user, _, password = text.partition(":")
+        if user:
+            opts["user"] = user
+            opts["password"] = password or ""
+
+        async def _quiet(_exc: Exception) -> None:
+            return None
+
+        opts["error_cb"] = _quiet
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        servers = [u.strip() for u in url.split(",")]
+        while time.monotonic() < deadline:
+            try:
+                nc = await nats.connect(servers=servers, connect_timeout=min(2.0, timeout),
+                                        **opts)
+                return cls(nc, service, metrics)
+            except (nats.errors.NoServersError, OSError, TimeoutError,
+                    nats.errors.Error) as exc:
+                last = exc
+                if "Authorization" in str(exc):
+                    break
+                await asyncio.sleep(0.2)
+        raise BusError(
+            f"NATS_URL {url} refused the connection ({type(last).__name__}: {last}); start it "
+            "with 'torchrelay up' or unset NATS_URL to use the embedded server")
+
+    async def close(self) -> None:
+        """Stop consumers, drain subscriptions and close the connection."""
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if not self.nc.is_closed:
+            for sub in self._subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            self._subs.clear()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.flush(), 2.0)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    # ----------------------------------------------------------------- provisioning
+
+    async def provision_streams(self, replicas: int = 1) -> None:
+        """Create or update the streams and the generations KV bucket (idempotent)."""
+        for spec in STREAMS:
+            cfg = StreamConfig(
+                name=spec.name, subjects=list(spec.subjects), storage=StorageType.FILE,
+                num_replicas=replicas, duplicate_window=spec.duplicate_window_s,
+                max_age=spec.max_age_s,
+            )
+            try:
+                await self.js.add_stream(cfg)
+            except nats.js.errors.BadRequestError:
+                await self.js.update_stream(cfg)
+        await self.generations()
+
+    async def generations(self) -> KeyValue:
+        """The job-generations KV bucket (created on first use)."""
+        if self._kv is None:
+            try:
+                self._kv = await self.js.key_value(GENERATIONS_BUCKET)
+            except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+                self._kv = await self.js.create_key_value(KeyValueConfig(
+                    bucket=GENERATIONS_BUCKET, history=16, storage=StorageType.FILE))
+        return self._kv
+
+    async def provision_consumer(self, spec: ConsumerSpec) -> None:
+        """Create the durable consumer of ``spec`` (explicit ack, bounded redelivery)."""
+        cfg = ConsumerConfig(
+            durable_name=spec.durable, ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL, ack_wait=spec.ack_wait_s,
+            max_deliver=spec.max_deliver, backoff=list(spec.backoff_s),
+            filter_subjects=list(spec.filter_subjects), max_ack_pending=spec.max_ack_pending,
+        )
+        await self.js.add_consumer(spec.stream, cfg)
+
+    # ----------------------------------------------------------------- publishing
+
+    async def publish(self, event: Event, subject: str, *, timeout: float = 5.0,
+                      retry_for: float = 30.0) -> PubAck:
+        """Publish a durable event with ``Nats-Msg-Id`` = ``event_id`` and trace context.
+
+        Retries until ``retry_for`` (less than the stream's duplicate window), so a retried
+        publish is deduplicated by the server.
+        """
+        with tracer().start_as_current_span(f"publish {subject}", kind=SpanKind.PRODUCER) as sp:
+            sp.set_attribute("messaging.message.id", event.event_id)
+            headers = inject_headers({"Nats-Msg-Id": event.event_id})
+            payload = event.model_dump_json().encode()
+            deadline = time.monotonic() + retry_for
+            while True:
+                try:
+                    return await self.js.publish(subject, payload, timeout=timeout,
+                                                 headers=headers)
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                        nats.errors.ConnectionReconnectingError, TimeoutError) as exc:
+                    if time.monotonic() > deadline:
+                        raise BusError(f"publish to {subject} failed for {retry_for:.0f}s: "
+                                       f"{exc!r}") from exc
+                    await asyncio.sleep(0.2)
+
+    async def publish_core(self, subject: str, message: Message) -> None:
+        """Publish a loss-tolerant message on core NATS (telemetry, heartbeats)."""
+        await self.nc.publish(subject, message.model_dump_json().encode(),
+                              headers=inject_headers())
+
+    async def dead_letter(self, subject: str, payload: bytes, reason: str,
+                          headers: dict[str, str] | None = None) -> None:
+        """Send a refused message to ``tr.dlq.<service>`` with the reason."""
+        letter = DeadLetter(
+            service=self.service, subject=subject, reason=reason[:2000],
+            payload=payload[:MAX_DLQ_PAYLOAD].decode("utf-8", errors="replace"),
+            headers={k: v for k, v in (headers or {}).items() if k != "Nats-Msg-Id"},
+        )
+        if self.metrics is not None:
+            self.metrics.dlq_messages_total.labels(self.service, reason.split(":")[0][:60]).inc()
+        log.warning("dead letter", extra={"subject": subject, "reason": reason[:500]})
+        try:
+            await self.js.publish(Subjects.dlq(self.service), letter.model_dump_json().encode(),
+                                  timeout=5.0)
+        except Exception as exc:
+            log.error("dead-letter publish failed: %r", exc)
+
+    # ----------------------------------------------------------------- consuming
+
+    async def consume(self, spec: ConsumerSpec, handler: EventHandler, deduper: Deduper, *,
+                      batch: int = 64, provision: bool = True) -> None:
+        """Run ``handler`` for every event of the durable consumer ``spec`` in a task.
+
+        The handler's message is acked only after it returns. ``TransientError`` (or any
+        unexpected exception) naks with a delay; at the last allowed delivery, and for
+        messages that fail to parse or validate, the message goes to the dead-letter subject
+        and the consumer goes on. Event ids already processed are acked and skipped.
+        """
+        if provision:
+            await self.provision_consumer(spec)
+        psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        self._subs.append(psub)
+        self._tasks.append(asyncio.create_task(
+            self._consume_loop(spec, psub, handler, deduper, batch),
+            name=f"consume:{spec.durable}"))
+
+    async def _consume_loop(self, spec: ConsumerSpec, psub: Any, handler: EventHandler,
+                            deduper: Deduper, batch: int) -> None:
+        while not self._stopping.is_set():
+            try:
+                msgs = await psub.fetch(batch, timeout=1.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("fetch from %s failed: %r", spec.durable, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._handle(spec, msg, handler, deduper)
+
+    async def _handle(self, spec: ConsumerSpec, msg: Msg, handler: EventHandler,
+                      deduper: Deduper) -> None:
+        headers = _headers(msg)
+        subject = msg.subject
+        outcome = "ok"
+        started = time.perf_counter()
+        try:
+            meta = msg.metadata
+            delivery = Delivery(subject, meta.num_delivered, meta.sequence.stream, headers)
+        except Exception:
+            delivery = Delivery(subject, 1, 0, headers)
+        try:
+            model = model_for_subject(subject)
+            if model is None:
+                outcome = "dlq"
+                await self.dead_letter(subject, msg.data, f"unknown subject: {subject}", headers)
+                await msg.ack()
+                return
+            try:
+                event = model.model_validate_json(msg.data)
+            except ValidationError as exc:
+                outcome = "dlq"
+                text, _ = validation_message(exc)
+                await self.dead_letter(subject, msg.data,
+                                       f"invalid {model.__name__}: {text}", headers)
+                await msg.ack()
+                return
+            if await deduper.seen(event.event_id):
+                outcome = "duplicate"
+                await msg.ack()
+                return
+            ctx = context_from_headers(headers)
+            with tracer().start_as_current_span(
+                f"{self.service} handle {subject}", context=ctx, kind=SpanKind.CONSUMER,
+                attributes={"messaging.message.id": event.event_id,
+                            "torchrelay.service": self.service},
+            ):
+                try:
+                    await handler(event, delivery)
+                except PermanentError as exc:
+                    outcome = "dlq"
+                    await self.dead_letter(subject, msg.data, f"refused: {exc}", headers)
+                    await msg.ack()
+                    return
+                except TransientError as exc:
+                    outcome = "retry"
+                    await self._retry_or_dlq(spec, msg, delivery, str(exc), exc.delay_s, headers)
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    outcome = "error"
+                    log.exception("handler for %s failed", subject)
+                    trace.get_current_span().record_exception(exc)
+                    await self._retry_or_dlq(spec, msg, delivery,
+                                             f"{type(exc).__name__}: {exc}", 1.0, headers)
+                    return
+            await deduper.mark(event.event_id)
+            await msg.ack()
+        finally:
+            if self.metrics is not None:
+                family = ".".join(subject.split(".")[:4])
+                self.metrics.messages_total.labels(self.service, family, outcome).inc()
+                self.metrics.handler_seconds.labels(self.service, family).observe(
+                    time.perf_counter() - started)
+
+    async def _retry_or_dlq(self, spec: ConsumerSpec, msg: Msg, delivery: Delivery,
+                            reason: str, delay_s: float, headers: dict[str, str]) -> None:
+        if delivery.num_delivered >= spec.max_deliver:
+            await self.dead_letter(msg.subject, msg.data,
+                                   f"gave up after {delivery.num_delivered} deliveries: {reason}",
+                                   headers)
+            await msg.ack()
+        else:
+            await msg.nak(delay=delay_s)
+
+    async def subscribe_core(self, subject: str, handler: Callable[[Msg], Awaitable[None]],
+                             queue: str = "") -> Any:
+        """Subscribe to a core-NATS subject (telemetry, heartbeats), in a queue group."""
+        sub = await self.nc.subscribe(subject, queue=queue, cb=handler)
+        self._subs.append(sub)
+        return sub
+
+    # ----------------------------------------------------------------- request/reply
+
+    async def request(self, subject: str, payload: BaseModel | dict[str, Any] | None = None,
+                      *, timeout: float = 5.0) -> Any:
+        """Send a request and return the reply's ``result``.
+
+        Raises:
+            NoResponder: nobody answered within ``timeout`` (the message names the subject).
+            RpcFailed: the service answered with an error.
+        """
+        if isinstance(payload, BaseModel):
+            data = payload.model_dump_json().encode()
+        else:
+            data = json.dumps(payload or {}, default=str).encode()
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout, headers=inject_headers())
+        except nats.errors.NoRespondersError as exc:
+            raise NoResponder(f"no service answers {subject}: is it running?") from exc
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            raise NoResponder(f"no reply on {subject} within {timeout:g}s") from exc
+        try:
+            reply = RpcReply.model_validate_json(msg.data)
+        except ValidationError as exc:
+            raise BusError(f"{subject} answered with a malformed reply: {exc}") from exc
+        if not reply.ok:
+            raise RpcFailed(subject, reply.error or RpcError(code="internal", message="?"))
+        return reply.result
+
+    async def serve(self, service: str, verb: str, handler: RpcHandler) -> Any:
+        """Answer ``tr.rpc.<service>.<verb>`` in the service's queue group.
+
+        The handler takes the decoded JSON object and returns a JSON-able result (pydantic
+        models are dumped). Invalid requests get an ``invalid`` error naming the field; an
+        unexpected exception gets ``internal``; the service keeps serving.
+        """
+        subject = Subjects.rpc(service, verb)
+
+        async def _on_request(msg: Msg) -> None:
+            outcome = "ok"
+            ctx = context_from_headers(_headers(msg))
+            with tracer().start_as_current_span(f"rpc {subject}", context=ctx,
+                                                kind=SpanKind.SERVER):
+                try:
+                    try:
+                        body = json.loads(msg.data or b"{}")
+                    except ValueError as exc:
+                        raise RequestInvalid(f"request body is not JSON: {exc}") from exc
+                    if not isinstance(body, dict):
+                        raise RequestInvalid("request body must be a JSON object")
+                    result = await handler(body)
+                    reply = RpcReply(ok=True, result=_jsonable(result))
+                except ValidationError as exc:
+                    outcome = "invalid"
+                    text, field = validation_message(exc)
+                    reply = RpcReply(ok=False, error=RpcError(code="invalid", message=text,
+                                                              field=field))
+                except RequestInvalid as exc:
+                    outcome = exc.code
+                    reply = RpcReply(ok=False, error=RpcError(
+                        code=exc.code, message=str(exc), field=exc.field))  # type: ignore[arg-type]
+                except Exception as exc:
+                    outcome = "internal"
+                    log.exception("rpc %s failed", subject)
+                    reply = RpcReply(ok=False, error=RpcError(
+                        code="internal", message=f"{type(exc).__name__}: {exc}"))
+            if self.metrics is not None:
+                self.metrics.rpc_total.labels(self.service, verb, outcome).inc()
+            if msg.reply:
+                with contextlib.suppress(Exception):
+                    await msg.respond(reply.model_dump_json().encode())
+
+        sub = await self.nc.subscribe(subject, queue=f"rpc-{service}", cb=_on_request)
+        self._subs.append(sub)
+        return sub
+
+    # ----------------------------------------------------------------- generations KV
+
+    async def get_generation(self, job_id: str) -> tuple[Generation, int] | None:
+        """The job's current generation and its KV revision, or None if it has none."""
+        kv = await self.generations()
+        try:
+            entry = await kv.get(job_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        if entry.value is None:
+            return None
+        return Generation.model_validate_json(entry.value), int(entry.revision or 0)
+
+    async def put_generation(self, generation: Generation, expected_revision: int | None) -> int:
+        """Write a generation with compare-and-set; ``None`` means the key must not exist.
+
+        Raises:
+            StaleRevision: the key changed since ``expected_revision`` was read.
+        """
+        kv = await self.generations()
+        data = generation.model_dump_json().encode()
+        try:
+            if expected_revision is None:
+                return int(await kv.create(generation.job_id, data))
+            return int(await kv.update(generation.job_id, data, last=expected_revision))
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError,
+                nats.js.errors.APIError) as exc:
+            raise StaleRevision(
+                f"generation of job {generation.job_id} changed since revision "
+                f"{expected_revision}: {exc}") from exc
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+__all__ = [
+    "CONSUMERS", "Bus", "BusError", "Conflict", "Deduper", "Delivery", "MemoryDeduper",
+    "NoResponder", "NotFound", "PermanentError", "RedisDeduper", "RequestInvalid", "RpcFailed",
+    "StaleRevision", "TransientError", "validation_message",
+]

@@ -1,0 +1,105 @@
+"""The ``torchrelay`` command line: each subcommand lives in the module of its concern."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, function, help); each function takes the parsed args, returns an exit code
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "up": ("torchrelay.stack", "cmd_up", "start the whole stack and supervise it"),
+    "down": ("torchrelay.stack", "cmd_down", "stop a stack started with --detach"),
+    "run": ("torchrelay.launcher", "cmd_run", "run a training script with hot spares"),
+    "status": ("torchrelay.client", "cmd_status", "jobs, nodes and spares"),
+    "chaos": ("torchrelay.chaos", "cmd_chaos", "inject a fault (kill, hang, xid, ecc, ...)"),
+    "drain": ("torchrelay.client", "cmd_drain", "planned maintenance: move every rank off a node"),
+    "incidents": ("torchrelay.client", "cmd_incidents", "list incidents"),
+    "credits": ("torchrelay.client", "cmd_credits", "guarantee and credits per contract"),
+    "export": ("torchrelay.client", "cmd_export", "FOCUS billing export for a period"),
+    "ledger": ("torchrelay.client", "cmd_ledger", "ledger tools: verify"),
+    "demo": ("torchrelay.demo", "cmd_demo", "the whole story on this machine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="torchrelay", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help=COMMANDS["up"][2])
+    up.add_argument("--detach", action="store_true")
+    up.add_argument("--state-dir", default=None)
+    down = sub.add_parser("down", help=COMMANDS["down"][2])
+    down.add_argument("--state-dir", default=None)
+
+    run = sub.add_parser("run", help=COMMANDS["run"][2])
+    run.add_argument("--nproc", type=int, required=True)
+    run.add_argument("--spares", type=int, default=0)
+    run.add_argument("--job-id", default=None)
+    run.add_argument("--tenant", default="default")
+    run.add_argument("--nodes", type=int, default=1)
+    run.add_argument("--policy", choices=["wait", "shrink", "checkpoint_restart"], default="wait")
+    run.add_argument("--wait-timeout", type=float, default=60.0)
+    run.add_argument("--allow-shrink", action="store_true")
+    run.add_argument("script")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+
+    status = sub.add_parser("status", help=COMMANDS["status"][2])
+    status.add_argument("--json", action="store_true")
+
+    chaos = sub.add_parser("chaos", help=COMMANDS["chaos"][2])
+    chaos.add_argument("fault", choices=["kill", "hang", "xid", "ecc", "thermal", "remap",
+                                         "nvlink", "slow"])
+    chaos.add_argument("--job", default=None)
+    chaos.add_argument("--rank", type=int, default=None)
+    chaos.add_argument("--node", default=None)
+    chaos.add_argument("--gpu", type=int, default=0)
+    chaos.add_argument("--code", type=int, default=None)
+    chaos.add_argument("--factor", type=float, default=None)
+    chaos.add_argument("--duration", type=float, default=None)
+
+    drain = sub.add_parser("drain", help=COMMANDS["drain"][2])
+    drain.add_argument("--node", required=True)
+
+    incidents = sub.add_parser("incidents", help=COMMANDS["incidents"][2])
+    incidents.add_argument("--job", default=None)
+    incidents.add_argument("--json", action="store_true")
+
+    credits = sub.add_parser("credits", help=COMMANDS["credits"][2])
+    credits.add_argument("--contract", default=None)
+    credits.add_argument("--json", action="store_true")
+
+    export = sub.add_parser("export", help=COMMANDS["export"][2])
+    export.add_argument("--period", required=True)
+    export.add_argument("--format", choices=["csv", "json"], default="csv")
+    export.add_argument("-o", "--output", default=None)
+
+    ledger = sub.add_parser("ledger", help=COMMANDS["ledger"][2])
+    ledger.add_argument("action", choices=["verify"])
+    ledger.add_argument("--contract", default=None)
+
+    sub.add_parser("demo", help=COMMANDS["demo"][2])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``torchrelay`` console script."""
+    args = build_parser().parse_args(argv)
+    module_name, func_name, _ = COMMANDS[args.command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            print(f"torchrelay {args.command}: not built yet", file=sys.stderr)
+            return 2
+        raise
+    func = getattr(module, func_name)
+    try:
+        return int(func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
