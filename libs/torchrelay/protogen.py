@@ -1,0 +1,145 @@
+"""Generate ``proto/`` from the contract: a JSON Schema per message and an AsyncAPI 3.0 document.
+
+``python -m torchrelay.protogen proto`` writes the files; ``--check`` exits 1 when the
+committed files differ from what the contract generates (the drift test uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from torchrelay import __version__
+from torchrelay.contract import (
+    CONSUMERS,
+    DLQ_STREAM,
+    EVENT_SUBJECTS,
+    EVENTS_STREAM,
+    GENERATIONS_BUCKET,
+    MODELS,
+    RPC_VERBS,
+    SCHEMA_VERSION,
+)
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def json_schemas() -> dict[str, str]:
+    """File name → JSON Schema text, one per message model."""
+    out = {}
+    for name, model in sorted(MODELS.items()):
+        schema = model.model_json_schema(mode="validation")
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["$id"] = f"https://torchrelay.dev/schemas/v{SCHEMA_VERSION}/{name}.json"
+        out[f"schemas/{name}.json"] = _dump(schema)
+    return out
+
+
+def _channel_id(address: str) -> str:
+    return address.replace(".", "_").replace("{", "").replace("}", "").replace(">", "all")
+
+
+def asyncapi() -> dict[str, Any]:
+    """The AsyncAPI 3.0 document of every subject, stream and RPC verb."""
+    channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    messages: dict[str, Any] = {}
+    for model, address in EVENT_SUBJECTS.items():
+        name = model.__name__
+        messages[name] = {"name": name, "payload": {"$ref": f"schemas/{name}.json"},
+                          "contentType": "application/json"}
+        cid = _channel_id(address)
+        params = {p.split("}")[0]: {"description": p.split("}")[0]}
+                  for p in address.split("{")[1:]}
+        durable = address.startswith("tr.evt.")
+        channel: dict[str, Any] = {
+            "address": address,
+            "messages": {name: {"$ref": f"#/components/messages/{name}"}},
+            "description": ("JetStream stream " + EVENTS_STREAM.name + "; Nats-Msg-Id = event_id"
+                            if durable else "core NATS" if not address.startswith("tr.dlq")
+                            else "JetStream stream " + DLQ_STREAM.name),
+        }
+        if params:
+            channel["parameters"] = params
+        channels[cid] = channel
+        operations[f"publish_{cid}"] = {"action": "send",
+                                        "channel": {"$ref": f"#/channels/{cid}"}}
+    for service, verbs in RPC_VERBS.items():
+        for verb in verbs:
+            cid = f"tr_rpc_{service}_{verb}"
+            channels[cid] = {"address": f"tr.rpc.{service}.{verb}",
+                             "description": f"request/reply; reply is RpcReply (queue group "
+                                            f"rpc-{service})",
+                             "messages": {"RpcReply": {"$ref": "#/components/messages/RpcReply"}}}
+            operations[f"request_{cid}"] = {
+                "action": "send", "channel": {"$ref": f"#/channels/{cid}"},
+                "reply": {"channel": {"$ref": f"#/channels/{cid}"}}}
+    messages["RpcReply"] = {"name": "RpcReply", "payload": {"$ref": "schemas/RpcReply.json"}}
+    return {
+        "asyncapi": "3.0.0",
+        "info": {"title": "torchrelay wire contract", "version": __version__,
+                 "description": "Subjects, streams and messages of the torchrelay control plane."},
+        "defaultContentType": "application/json",
+        "channels": channels,
+        "operations": operations,
+        "components": {"messages": messages},
+        "x-torchrelay": {
+            "streams": [EVENTS_STREAM.model_dump(), DLQ_STREAM.model_dump()],
+            "consumers": [c.model_dump() for c in CONSUMERS.values()],
+            "kv_buckets": [{"bucket": GENERATIONS_BUCKET, "key": "job_id",
+                            "value": "schemas/Generation.json",
+                            "writer": "migration_executor (compare-and-set on revision)"}],
+            "schema_version": SCHEMA_VERSION,
+        },
+    }
+
+
+def generate() -> dict[str, str]:
+    """Relative path → file content for everything under ``proto/``."""
+    files = json_schemas()
+    files["asyncapi.json"] = _dump(asyncapi())
+    try:
+        from services.api.app import openapi_document  # noqa: PLC0415
+
+        files["openapi.json"] = _dump(openapi_document())
+    except ImportError:
+        pass
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write or check ``proto/``."""
+    parser = argparse.ArgumentParser(prog="python -m torchrelay.protogen")
+    parser.add_argument("out", nargs="?", default="proto")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    root = Path(args.out)
+    files = generate()
+    stale = []
+    for rel, text in files.items():
+        path = root / rel
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(rel)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if not args.check:
+        known = set(files)
+        for path in root.rglob("*.json"):
+            if str(path.relative_to(root)) not in known:
+                path.unlink()
+    if stale:
+        print(f"proto/ is stale ({len(stale)} files, e.g. {stale[0]}); run `make proto`",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
