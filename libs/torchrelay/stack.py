@@ -1,0 +1,306 @@
+"""``torchrelay up`` / ``down``: the whole stack on this machine, every service its own process.
+
+The supervisor starts the embedded servers (unless ``NATS_URL``/``REDIS_URL`` point
+elsewhere), starts each service on a fixed port, waits until every ``/readyz`` answers,
+writes ``stack.json``, and restarts a crashed service (or server) with backoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.contract import SERVICES
+from torchrelay.runtime import ServerProcess, free_port, nats_server, redis_server
+from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX
+
+log = logging.getLogger("torchrelay.stack")
+
+READY_TIMEOUT_S = 60.0
+MAX_BACKOFF_S = 8.0
+
+
+def state_dir_from(arg: str | None) -> Path:
+    """The state directory: ``--state-dir``, else ``TORCHRELAY_HOME``, else ``./.torchrelay``."""
+    return Path(arg or os.environ.get("TORCHRELAY_HOME") or ".torchrelay").resolve()
+
+
+def read_stack(state_dir: Path) -> dict[str, Any] | None:
+    """The ``stack.json`` of a running stack, or None."""
+    path = state_dir / "stack.json"
+    if not path.exists():
+        return None
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return data
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1.0) as resp:
+            return int(resp.status) == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class ManagedService:
+    """One service process under supervision."""
+
+    name: str
+    port: int
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    backoff_s: float = 0.5
+    next_start: float = 0.0
+    started_at: float = 0.0
+    ready: bool = False
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", f"services.{self.name}"], env=self.env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        self.started_at = time.monotonic()
+        self.ready = False
+
+    def stop(self, timeout: float = 6.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@dataclass
+class Supervisor:
+    """Starts and watches the servers and the six services of one stack."""
+
+    state_dir: Path
+    nats_url: str | None = None
+    redis_url: str | None = None
+    services: dict[str, ManagedService] = field(default_factory=dict)
+    servers: dict[str, ServerProcess] = field(default_factory=dict)
+    operator_token: str | None = None
+    stopping: bool = False
+
+    def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if not self.nats_url:
+            self.servers["nats"] = nats_server(self.state_dir)
+            self.servers["nats"].start()
+            self.nats_url = self.servers["nats"].url
+        if not self.redis_url:
+            self.servers["redis"] = redis_server(self.state_dir)
+            self.servers["redis"].start()
+            self.redis_url = self.servers["redis"].url
+        embedded = "nats" in self.servers and "redis" in self.servers
+        self.operator_token = os.environ.get("TORCHRELAY_OPERATOR_TOKEN") or (
+            DEV_OPERATOR_TOKEN_PREFIX + secrets.token_urlsafe(24) if embedded else None)
+        base = dict(os.environ)
+        base.update({"NATS_URL": self.nats_url, "REDIS_URL": self.redis_url,
+                     "TORCHRELAY_HOME": str(self.state_dir), "PYTHONUNBUFFERED": "1"})
+        if embedded:
+            base.setdefault("TORCHRELAY_ENVIRONMENT", "development")
+        if self.operator_token:
+            base["TORCHRELAY_OPERATOR_TOKEN"] = self.operator_token
+        for name in SERVICES:
+            port = free_port()
+            env = dict(base, TORCHRELAY_HTTP_PORT=str(port))
+            svc = ManagedService(name, port, env, self.state_dir / "logs" / f"{name}.log")
+            svc.start()
+            self.services[name] = svc
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.tick()
+            if all(s.ready for s in self.services.values()):
+                break
+            time.sleep(0.1)
+        else:
+            missing = [n for n, s in self.services.items() if not s.ready]
+            raise RuntimeError(f"services not ready within {READY_TIMEOUT_S:.0f}s: "
+                               f"{', '.join(missing)}; see {self.state_dir / 'logs'}")
+        self.write_stack()
+
+    def tick(self) -> None:
+        """Check every process once: mark readiness, restart the dead with backoff."""
+        changed = False
+        now = time.monotonic()
+        for name, server in self.servers.items():
+            if not server.alive() and not self.stopping:
+                log.warning("%s died; restarting it on its port and data", name)
+                with contextlib.suppress(Exception):
+                    server.start()
+                    changed = True
+        for svc in self.services.values():
+            if svc.proc is not None and svc.proc.poll() is not None:
+                if svc.next_start == 0.0:
+                    if now - svc.started_at > 60:
+                        svc.backoff_s = 0.5
+                    svc.next_start = now + svc.backoff_s
+                    log.warning("service %s exited with %s; restarting in %.1fs (restart #%d)",
+                                svc.name, svc.proc.returncode, svc.backoff_s, svc.restarts + 1)
+                    svc.backoff_s = min(svc.backoff_s * 2, MAX_BACKOFF_S)
+                    svc.ready = False
+                if now >= svc.next_start:
+                    svc.next_start = 0.0
+                    svc.restarts += 1
+                    svc.start()
+                    changed = True
+            elif not svc.ready and _ready(svc.port):
+                svc.ready = True
+                changed = True
+        if changed and all(s.ready for s in self.services.values()):
+            self.write_stack()
+
+    def write_stack(self) -> None:
+        api = self.services.get("api")
+        data = {
+            "nats_url": self.nats_url,
+            "redis_url": self.redis_url,
+            "api_url": f"http://127.0.0.1:{api.port}" if api else None,
+            "operator_token": self.operator_token,
+            "services": {n: {"pid": s.proc.pid if s.proc else None, "port": s.port,
+                             "restarts": s.restarts} for n, s in self.services.items()},
+            "servers": {n: {"pid": s.pid, "port": s.port} for n, s in self.servers.items()},
+            "supervisor_pid": os.getpid(),
+        }
+        tmp = self.state_dir / "stack.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.chmod(0o600)  # it holds the operator token
+        tmp.replace(self.state_dir / "stack.json")
+
+    def stop(self) -> None:
+        self.stopping = True
+        for svc in self.services.values():
+            if svc.proc is not None and svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        for svc in self.services.values():
+            svc.stop()
+        for server in self.servers.values():
+            server.stop()
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / "stack.json").unlink()
+
+    def serve_forever(self) -> None:
+        stop = False
+
+        def _on_signal(_sig: int, _frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+        while not stop:
+            self.tick()
+            time.sleep(0.2)
+
+
+def supervise(state_dir: Path) -> int:
+    """Run a supervisor in this process until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    sup = Supervisor(state_dir, os.environ.get("NATS_URL") or None,
+                     os.environ.get("REDIS_URL") or None)
+    try:
+        sup.start()
+        print(f"torchrelay stack ready: api {sup.services['api'].port}, state {state_dir}",
+              flush=True)
+        sup.serve_forever()
+    finally:
+        sup.stop()
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """``torchrelay up``: run the stack (foreground), or start it detached and return."""
+    state_dir = state_dir_from(args.state_dir)
+    existing = read_stack(state_dir)
+    if existing and _pid_alive(existing.get("supervisor_pid")):
+        print(f"a stack is already running from {state_dir} (pid {existing['supervisor_pid']}); "
+              "`torchrelay down` stops it", file=sys.stderr)
+        return 1
+    if not args.detach:
+        return supervise(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        (state_dir / "stack.json").unlink()
+    logf = (state_dir / "supervisor.log").open("ab")
+    proc = subprocess.Popen([sys.executable, "-m", "torchrelay.stack", "supervise",
+                             "--state-dir", str(state_dir)], stdout=logf, stderr=logf,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + READY_TIMEOUT_S + 15
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print(f"the stack failed to start (exit {proc.returncode}); see "
+                  f"{state_dir / 'supervisor.log'} and {state_dir / 'logs'}", file=sys.stderr)
+            return 1
+        stack = read_stack(state_dir)
+        if stack is not None:
+            print(f"torchrelay is up: api {stack['api_url']}, nats {stack['nats_url']}, "
+                  f"state {state_dir}/stack.json")
+            return 0
+        time.sleep(0.2)
+    print("the stack did not become ready in time", file=sys.stderr)
+    return 1
+
+
+def _pid_alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """``torchrelay down``: stop a stack started with ``up --detach``."""
+    state_dir = state_dir_from(args.state_dir)
+    stack = read_stack(state_dir)
+    if stack is None or not _pid_alive(stack.get("supervisor_pid")):
+        print(f"no running stack in {state_dir}")
+        with contextlib.suppress(FileNotFoundError):
+            (state_dir / "stack.json").unlink()
+        return 0
+    pid = int(stack["supervisor_pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _pid_alive(pid):
+        time.sleep(0.1)
+    if _pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    print("torchrelay is down")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchrelay.stack")
+    parser.add_argument("action", choices=["supervise"])
+    parser.add_argument("--state-dir", default=None)
+    args = parser.parse_args(argv)
+    return supervise(state_dir_from(args.state_dir))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
