@@ -19,8 +19,7 @@ from torchrelay.runtime import ServerProcess, nats_server, redis_server
 
 
 def _containers_wanted() -> bool:
-    return os.environ.get("TORCHRELAY_TEST_INFRA") == "containers" and bool(
-        shutil.which("docker"))
+    return os.environ.get("TORCHRELAY_TEST_INFRA") == "containers" and bool(shutil.which("docker"))
 
 
 @pytest.fixture(scope="session")
@@ -48,8 +47,9 @@ def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
 
         with RedisContainer() as c:
             host, port = c.get_container_host_ip(), int(c.get_exposed_port(6379))
-            yield ServerProcess("redis", f"redis://{host}:{port}/0", host, port, Path("."), [],
-                                Path("/dev/null"))
+            yield ServerProcess(
+                "redis", f"redis://{host}:{port}/0", host, port, Path("."), [], Path("/dev/null")
+            )
         return
     server = redis_server(tmp_path_factory.mktemp("redis"))
     server.start()

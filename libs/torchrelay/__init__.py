@@ -16,14 +16,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def init(**kwargs: Any) -> Job:
     """Join the job this process was launched into (a spare blocks until it takes a rank)."""
-    from torchrelay.agent import init as _init  # noqa: PLC0415 - keep `import torchrelay` light
+    from torchrelay.agent import init as _init
 
     return _init(**kwargs)
 
 
 def __getattr__(name: str) -> Any:
     if name == "Job":
-        from torchrelay.agent import Job  # noqa: PLC0415
+        from torchrelay.agent import Job
 
         return Job
     raise AttributeError(f"module 'torchrelay' has no attribute {name!r}")

@@ -95,8 +95,7 @@ class PermanentError(Exception):
 class RequestInvalid(Exception):
     """Raised by an RPC handler: the request is invalid (names the field)."""
 
-    def __init__(self, message: str, field: str | None = None,
-                 code: str = "invalid") -> None:
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid") -> None:
         super().__init__(message)
         self.field = field
         self.code = code
@@ -200,9 +199,17 @@ class Bus:
     # ----------------------------------------------------------------- connection
 
     @classmethod
-    async def connect(cls, url: str, service: str, *, credentials: str | None = None,
-                      timeout: float = 10.0, metrics: ServiceMetrics | None = None,
-                      user: str | None = None, password: str | None = None) -> Bus:
+    async def connect(
+        cls,
+        url: str,
+        service: str,
+        *,
+        credentials: str | None = None,
+        timeout: float = 10.0,
+        metrics: ServiceMetrics | None = None,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> Bus:
         """Connect with retry until ``timeout``; fail with a message naming ``NATS_URL``.
 
         Args:
@@ -214,10 +221,14 @@ class Bus:
             user: user name (instead of a credentials file).
             password: password for ``user``.
         """
-        opts: dict[str, Any] = {"name": service, "max_reconnect_attempts": -1,
-                                "reconnect_time_wait": 0.2, "allow_reconnect": True}
+        opts: dict[str, Any] = {
+            "name": service,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.2,
+            "allow_reconnect": True,
+        }
         if credentials:
-            text = open(credentials).read().strip()  # noqa: ASYNC230, PTH123, SIM115
+            text = open(credentials).read().strip()  # noqa: ASYNC230, SIM115
             if "BEGIN NATS USER JWT" in text:
                 opts["user_credentials"] = credentials
             else:
@@ -235,18 +246,17 @@ class Bus:
         servers = [u.strip() for u in url.split(",")]
         while time.monotonic() < deadline:
             try:
-                nc = await nats.connect(servers=servers, connect_timeout=min(2.0, timeout),
-                                        **opts)
+                nc = await nats.connect(servers=servers, connect_timeout=min(2.0, timeout), **opts)
                 return cls(nc, service, metrics)
-            except (nats.errors.NoServersError, OSError, TimeoutError,
-                    nats.errors.Error) as exc:
+            except (nats.errors.NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
                 last = exc
                 if "Authorization" in str(exc):
                     break
                 await asyncio.sleep(0.2)
         raise BusError(
             f"NATS_URL {url} refused the connection ({type(last).__name__}: {last}); start it "
-            "with 'torchrelay up' or unset NATS_URL to use the embedded server")
+            "with 'torchrelay up' or unset NATS_URL to use the embedded server"
+        )
 
     async def close(self) -> None:
         """Stop consumers, drain subscriptions and close the connection."""
@@ -273,8 +283,11 @@ class Bus:
         """Create or update the streams and the generations KV bucket (idempotent)."""
         for spec in STREAMS:
             cfg = StreamConfig(
-                name=spec.name, subjects=list(spec.subjects), storage=StorageType.FILE,
-                num_replicas=replicas, duplicate_window=spec.duplicate_window_s,
+                name=spec.name,
+                subjects=list(spec.subjects),
+                storage=StorageType.FILE,
+                num_replicas=replicas,
+                duplicate_window=spec.duplicate_window_s,
                 max_age=spec.max_age_s,
             )
             try:
@@ -289,24 +302,30 @@ class Bus:
             try:
                 self._kv = await self.js.key_value(GENERATIONS_BUCKET)
             except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-                self._kv = await self.js.create_key_value(KeyValueConfig(
-                    bucket=GENERATIONS_BUCKET, history=16, storage=StorageType.FILE))
+                self._kv = await self.js.create_key_value(
+                    KeyValueConfig(bucket=GENERATIONS_BUCKET, history=16, storage=StorageType.FILE)
+                )
         return self._kv
 
     async def provision_consumer(self, spec: ConsumerSpec) -> None:
         """Create the durable consumer of ``spec`` (explicit ack, bounded redelivery)."""
         cfg = ConsumerConfig(
-            durable_name=spec.durable, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, ack_wait=spec.ack_wait_s,
-            max_deliver=spec.max_deliver, backoff=list(spec.backoff_s),
-            filter_subjects=list(spec.filter_subjects), max_ack_pending=spec.max_ack_pending,
+            durable_name=spec.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=spec.ack_wait_s,
+            max_deliver=spec.max_deliver,
+            backoff=list(spec.backoff_s),
+            filter_subjects=list(spec.filter_subjects),
+            max_ack_pending=spec.max_ack_pending,
         )
         await self.js.add_consumer(spec.stream, cfg)
 
     # ----------------------------------------------------------------- publishing
 
-    async def publish(self, event: Event, subject: str, *, timeout: float = 5.0,
-                      retry_for: float = 30.0) -> PubAck:
+    async def publish(
+        self, event: Event, subject: str, *, timeout: float = 5.0, retry_for: float = 30.0
+    ) -> PubAck:
         """Publish a durable event with ``Nats-Msg-Id`` = ``event_id`` and trace context.
 
         Retries until ``retry_for`` (less than the stream's duplicate window), so a retried
@@ -319,25 +338,31 @@ class Bus:
             deadline = time.monotonic() + retry_for
             while True:
                 try:
-                    return await self.js.publish(subject, payload, timeout=timeout,
-                                                 headers=headers)
-                except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                        nats.errors.ConnectionReconnectingError, TimeoutError) as exc:
+                    return await self.js.publish(subject, payload, timeout=timeout, headers=headers)
+                except (
+                    nats.errors.TimeoutError,
+                    nats.errors.NoRespondersError,
+                    nats.errors.ConnectionReconnectingError,
+                    TimeoutError,
+                ) as exc:
                     if time.monotonic() > deadline:
-                        raise BusError(f"publish to {subject} failed for {retry_for:.0f}s: "
-                                       f"{exc!r}") from exc
+                        raise BusError(
+                            f"publish to {subject} failed for {retry_for:.0f}s: {exc!r}"
+                        ) from exc
                     await asyncio.sleep(0.2)
 
     async def publish_core(self, subject: str, message: Message) -> None:
         """Publish a loss-tolerant message on core NATS (telemetry, heartbeats)."""
-        await self.nc.publish(subject, message.model_dump_json().encode(),
-                              headers=inject_headers())
+        await self.nc.publish(subject, message.model_dump_json().encode(), headers=inject_headers())
 
-    async def dead_letter(self, subject: str, payload: bytes, reason: str,
-                          headers: dict[str, str] | None = None) -> None:
+    async def dead_letter(
+        self, subject: str, payload: bytes, reason: str, headers: dict[str, str] | None = None
+    ) -> None:
         """Send a refused message to ``tr.dlq.<service>`` with the reason."""
         letter = DeadLetter(
-            service=self.service, subject=subject, reason=reason[:2000],
+            service=self.service,
+            subject=subject,
+            reason=reason[:2000],
             payload=payload[:MAX_DLQ_PAYLOAD].decode("utf-8", errors="replace"),
             headers={k: v for k, v in (headers or {}).items() if k != "Nats-Msg-Id"},
         )
@@ -345,15 +370,23 @@ class Bus:
             self.metrics.dlq_messages_total.labels(self.service, reason.split(":")[0][:60]).inc()
         log.warning("dead letter", extra={"subject": subject, "reason": reason[:500]})
         try:
-            await self.js.publish(Subjects.dlq(self.service), letter.model_dump_json().encode(),
-                                  timeout=5.0)
-        except Exception as exc:
-            log.error("dead-letter publish failed: %r", exc)
+            await self.js.publish(
+                Subjects.dlq(self.service), letter.model_dump_json().encode(), timeout=5.0
+            )
+        except Exception:
+            log.exception("dead-letter publish failed")
 
     # ----------------------------------------------------------------- consuming
 
-    async def consume(self, spec: ConsumerSpec, handler: EventHandler, deduper: Deduper, *,
-                      batch: int = 64, provision: bool = True) -> None:
+    async def consume(
+        self,
+        spec: ConsumerSpec,
+        handler: EventHandler,
+        deduper: Deduper,
+        *,
+        batch: int = 64,
+        provision: bool = True,
+    ) -> None:
         """Run ``handler`` for every event of the durable consumer ``spec`` in a task.
 
         The handler's message is acked only after it returns. ``TransientError`` (or any
@@ -365,12 +398,16 @@ class Bus:
             await self.provision_consumer(spec)
         psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
         self._subs.append(psub)
-        self._tasks.append(asyncio.create_task(
-            self._consume_loop(spec, psub, handler, deduper, batch),
-            name=f"consume:{spec.durable}"))
+        self._tasks.append(
+            asyncio.create_task(
+                self._consume_loop(spec, psub, handler, deduper, batch),
+                name=f"consume:{spec.durable}",
+            )
+        )
 
-    async def _consume_loop(self, spec: ConsumerSpec, psub: Any, handler: EventHandler,
-                            deduper: Deduper, batch: int) -> None:
+    async def _consume_loop(
+        self, spec: ConsumerSpec, psub: Any, handler: EventHandler, deduper: Deduper, batch: int
+    ) -> None:
         while not self._stopping.is_set():
             try:
                 msgs = await psub.fetch(batch, timeout=1.0)
@@ -385,8 +422,9 @@ class Bus:
             for msg in msgs:
                 await self._handle(spec, msg, handler, deduper)
 
-    async def _handle(self, spec: ConsumerSpec, msg: Msg, handler: EventHandler,
-                      deduper: Deduper) -> None:
+    async def _handle(
+        self, spec: ConsumerSpec, msg: Msg, handler: EventHandler, deduper: Deduper
+    ) -> None:
         headers = _headers(msg)
         subject = msg.subject
         outcome = "ok"
@@ -408,8 +446,9 @@ class Bus:
             except ValidationError as exc:
                 outcome = "dlq"
                 text, _ = validation_message(exc)
-                await self.dead_letter(subject, msg.data,
-                                       f"invalid {model.__name__}: {text}", headers)
+                await self.dead_letter(
+                    subject, msg.data, f"invalid {model.__name__}: {text}", headers
+                )
                 await msg.ack()
                 return
             if await deduper.seen(event.event_id):
@@ -418,9 +457,13 @@ class Bus:
                 return
             ctx = context_from_headers(headers)
             with tracer().start_as_current_span(
-                f"{self.service} handle {subject}", context=ctx, kind=SpanKind.CONSUMER,
-                attributes={"messaging.message.id": event.event_id,
-                            "torchrelay.service": self.service},
+                f"{self.service} handle {subject}",
+                context=ctx,
+                kind=SpanKind.CONSUMER,
+                attributes={
+                    "messaging.message.id": event.event_id,
+                    "torchrelay.service": self.service,
+                },
             ):
                 try:
                     await handler(event, delivery)
@@ -439,8 +482,9 @@ class Bus:
                     outcome = "error"
                     log.exception("handler for %s failed", subject)
                     trace.get_current_span().record_exception(exc)
-                    await self._retry_or_dlq(spec, msg, delivery,
-                                             f"{type(exc).__name__}: {exc}", 1.0, headers)
+                    await self._retry_or_dlq(
+                        spec, msg, delivery, f"{type(exc).__name__}: {exc}", 1.0, headers
+                    )
                     return
             await deduper.mark(event.event_id)
             await msg.ack()
@@ -449,20 +493,32 @@ class Bus:
                 family = ".".join(subject.split(".")[:4])
                 self.metrics.messages_total.labels(self.service, family, outcome).inc()
                 self.metrics.handler_seconds.labels(self.service, family).observe(
-                    time.perf_counter() - started)
+                    time.perf_counter() - started
+                )
 
-    async def _retry_or_dlq(self, spec: ConsumerSpec, msg: Msg, delivery: Delivery,
-                            reason: str, delay_s: float, headers: dict[str, str]) -> None:
+    async def _retry_or_dlq(
+        self,
+        spec: ConsumerSpec,
+        msg: Msg,
+        delivery: Delivery,
+        reason: str,
+        delay_s: float,
+        headers: dict[str, str],
+    ) -> None:
         if delivery.num_delivered >= spec.max_deliver:
-            await self.dead_letter(msg.subject, msg.data,
-                                   f"gave up after {delivery.num_delivered} deliveries: {reason}",
-                                   headers)
+            await self.dead_letter(
+                msg.subject,
+                msg.data,
+                f"gave up after {delivery.num_delivered} deliveries: {reason}",
+                headers,
+            )
             await msg.ack()
         else:
             await msg.nak(delay=delay_s)
 
-    async def subscribe_core(self, subject: str, handler: Callable[[Msg], Awaitable[None]],
-                             queue: str = "") -> Any:
+    async def subscribe_core(
+        self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""
+    ) -> Any:
         """Subscribe to a core-NATS subject (telemetry, heartbeats), in a queue group."""
         sub = await self.nc.subscribe(subject, queue=queue, cb=handler)
         self._subs.append(sub)
@@ -470,8 +526,13 @@ class Bus:
 
     # ----------------------------------------------------------------- request/reply
 
-    async def request(self, subject: str, payload: BaseModel | dict[str, Any] | None = None,
-                      *, timeout: float = 5.0) -> Any:
+    async def request(
+        self,
+        subject: str,
+        payload: BaseModel | dict[str, Any] | None = None,
+        *,
+        timeout: float = 5.0,
+    ) -> Any:
         """Send a request and return the reply's ``result``.
 
         Raises:
@@ -508,8 +569,9 @@ class Bus:
         async def _on_request(msg: Msg) -> None:
             outcome = "ok"
             ctx = context_from_headers(_headers(msg))
-            with tracer().start_as_current_span(f"rpc {subject}", context=ctx,
-                                                kind=SpanKind.SERVER):
+            with tracer().start_as_current_span(
+                f"rpc {subject}", context=ctx, kind=SpanKind.SERVER
+            ):
                 try:
                     try:
                         body = json.loads(msg.data or b"{}")
@@ -522,17 +584,21 @@ class Bus:
                 except ValidationError as exc:
                     outcome = "invalid"
                     text, field = validation_message(exc)
-                    reply = RpcReply(ok=False, error=RpcError(code="invalid", message=text,
-                                                              field=field))
+                    reply = RpcReply(
+                        ok=False, error=RpcError(code="invalid", message=text, field=field)
+                    )
                 except RequestInvalid as exc:
                     outcome = exc.code
-                    reply = RpcReply(ok=False, error=RpcError(
-                        code=exc.code, message=str(exc), field=exc.field))  # type: ignore[arg-type]
+                    reply = RpcReply(
+                        ok=False, error=RpcError(code=exc.code, message=str(exc), field=exc.field)
+                    )
                 except Exception as exc:
                     outcome = "internal"
                     log.exception("rpc %s failed", subject)
-                    reply = RpcReply(ok=False, error=RpcError(
-                        code="internal", message=f"{type(exc).__name__}: {exc}"))
+                    reply = RpcReply(
+                        ok=False,
+                        error=RpcError(code="internal", message=f"{type(exc).__name__}: {exc}"),
+                    )
             if self.metrics is not None:
                 self.metrics.rpc_total.labels(self.service, verb, outcome).inc()
             if msg.reply:
@@ -568,11 +634,15 @@ class Bus:
             if expected_revision is None:
                 return int(await kv.create(generation.job_id, data))
             return int(await kv.update(generation.job_id, data, last=expected_revision))
-        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError,
-                nats.js.errors.APIError) as exc:
+        except (
+            nats.js.errors.KeyWrongLastSequenceError,
+            nats.js.errors.BadRequestError,
+            nats.js.errors.APIError,
+        ) as exc:
             raise StaleRevision(
                 f"generation of job {generation.job_id} changed since revision "
-                f"{expected_revision}: {exc}") from exc
+                f"{expected_revision}: {exc}"
+            ) from exc
 
 
 def _jsonable(value: Any) -> Any:
@@ -586,7 +656,20 @@ def _jsonable(value: Any) -> Any:
 
 
 __all__ = [
-    "CONSUMERS", "Bus", "BusError", "Conflict", "Deduper", "Delivery", "MemoryDeduper",
-    "NoResponder", "NotFound", "PermanentError", "RedisDeduper", "RequestInvalid", "RpcFailed",
-    "StaleRevision", "TransientError", "validation_message",
+    "CONSUMERS",
+    "Bus",
+    "BusError",
+    "Conflict",
+    "Deduper",
+    "Delivery",
+    "MemoryDeduper",
+    "NoResponder",
+    "NotFound",
+    "PermanentError",
+    "RedisDeduper",
+    "RequestInvalid",
+    "RpcFailed",
+    "StaleRevision",
+    "TransientError",
+    "validation_message",
 ]

@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
 
     chaos = sub.add_parser("chaos", help=COMMANDS["chaos"][2])
-    chaos.add_argument("fault", choices=["kill", "hang", "xid", "ecc", "thermal", "remap",
-                                         "nvlink", "slow"])
+    chaos.add_argument(
+        "fault", choices=["kill", "hang", "xid", "ecc", "thermal", "remap", "nvlink", "slow"]
+    )
     chaos.add_argument("--job", default=None)
     chaos.add_argument("--rank", type=int, default=None)
     chaos.add_argument("--node", default=None)

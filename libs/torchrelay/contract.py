@@ -46,6 +46,7 @@ def make_event_id(*parts: object) -> str:
 
 # --------------------------------------------------------------------------- subjects
 
+
 class Subjects:
     """Subject names. Functions build the per-entity subjects."""
 
@@ -116,6 +117,7 @@ class Subjects:
 
 # --------------------------------------------------------------------------- streams, KV
 
+
 class StreamSpec(BaseModel):
     """A JetStream stream declaration."""
 
@@ -127,12 +129,15 @@ class StreamSpec(BaseModel):
 
 
 EVENTS_STREAM = StreamSpec(
-    name="TR_EVENTS", subjects=[Subjects.EVENTS_ALL],
+    name="TR_EVENTS",
+    subjects=[Subjects.EVENTS_ALL],
     # Longer than any publisher's retry budget (bus.publish retries for at most 30 s).
     duplicate_window_s=300.0,
 )
 DLQ_STREAM = StreamSpec(
-    name="TR_DLQ", subjects=[Subjects.DLQ_ALL], duplicate_window_s=120.0,
+    name="TR_DLQ",
+    subjects=[Subjects.DLQ_ALL],
+    duplicate_window_s=120.0,
     max_age_s=14 * 24 * 3600.0,
 )
 STREAMS = (EVENTS_STREAM, DLQ_STREAM)
@@ -158,34 +163,78 @@ class ConsumerSpec(BaseModel):
 CONSUMERS: dict[str, ConsumerSpec] = {
     spec.durable: spec
     for spec in (
-        ConsumerSpec(service="detector", durable="detector-reports",
-                     filter_subjects=[Subjects.AGENT_REPORTS_ALL, Subjects.JOB_REGISTERED,
-                                      Subjects.JOB_FINISHED, Subjects.GENERATION_CHANGED]),
-        ConsumerSpec(service="scheduler", durable="scheduler",
-                     filter_subjects=[Subjects.FAULT_DETECTED, Subjects.JOB_REGISTERED,
-                                      Subjects.JOB_FINISHED, Subjects.DRAIN_REQUESTED,
-                                      Subjects.MIGRATION_COMPLETED, Subjects.MIGRATION_FAILED,
-                                      Subjects.GENERATION_CHANGED]),
-        ConsumerSpec(service="spare_pool", durable="spare-pool",
-                     filter_subjects=[Subjects.NODE_HEALTH, Subjects.JOB_FINISHED]),
-        ConsumerSpec(service="migration_executor", durable="migration-executor",
-                     filter_subjects=[Subjects.MIGRATION_REQUESTED, Subjects.JOB_REGISTERED,
-                                      Subjects.JOB_FINISHED, Subjects.AGENT_REPORTS_ALL]),
-        ConsumerSpec(service="billing", durable="billing",
-                     filter_subjects=[Subjects.INCIDENT_CLOSED, Subjects.INCIDENT_OPENED]),
+        ConsumerSpec(
+            service="detector",
+            durable="detector-reports",
+            filter_subjects=[
+                Subjects.AGENT_REPORTS_ALL,
+                Subjects.JOB_REGISTERED,
+                Subjects.JOB_FINISHED,
+                Subjects.GENERATION_CHANGED,
+            ],
+        ),
+        ConsumerSpec(
+            service="scheduler",
+            durable="scheduler",
+            filter_subjects=[
+                Subjects.FAULT_DETECTED,
+                Subjects.JOB_REGISTERED,
+                Subjects.JOB_FINISHED,
+                Subjects.DRAIN_REQUESTED,
+                Subjects.MIGRATION_COMPLETED,
+                Subjects.MIGRATION_FAILED,
+                Subjects.GENERATION_CHANGED,
+            ],
+        ),
+        ConsumerSpec(
+            service="spare_pool",
+            durable="spare-pool",
+            filter_subjects=[Subjects.NODE_HEALTH, Subjects.JOB_FINISHED],
+        ),
+        ConsumerSpec(
+            service="migration_executor",
+            durable="migration-executor",
+            filter_subjects=[
+                Subjects.MIGRATION_REQUESTED,
+                Subjects.JOB_REGISTERED,
+                Subjects.JOB_FINISHED,
+                Subjects.AGENT_REPORTS_ALL,
+            ],
+        ),
+        ConsumerSpec(
+            service="billing",
+            durable="billing",
+            filter_subjects=[Subjects.INCIDENT_CLOSED, Subjects.INCIDENT_OPENED],
+        ),
     )
 }
 
 # Request/reply verbs each service answers on ``tr.rpc.<service>.<verb>``.
 RPC_VERBS: dict[str, tuple[str, ...]] = {
     "detector": ("cluster_list", "node_list", "node_get", "node_return"),
-    "scheduler": ("job_list", "job_get", "job_timeline", "incident_list", "incident_get",
-                  "drain"),
-    "spare_pool": ("register", "reserve", "confirm", "release", "list", "get", "quarantine",
-                   "return", "depth"),
+    "scheduler": ("job_list", "job_get", "job_timeline", "incident_list", "incident_get", "drain"),
+    "spare_pool": (
+        "register",
+        "reserve",
+        "confirm",
+        "release",
+        "list",
+        "get",
+        "quarantine",
+        "return",
+        "depth",
+    ),
     "migration_executor": ("saga_list", "saga_get"),
-    "billing": ("contract_create", "contract_get", "contract_list", "guarantee", "close_term",
-                "credits_list", "export", "ledger_verify"),
+    "billing": (
+        "contract_create",
+        "contract_get",
+        "contract_list",
+        "guarantee",
+        "close_term",
+        "credits_list",
+        "export",
+        "ledger_verify",
+    ),
 }
 
 # Exit codes of a training process, read by the launcher.
@@ -197,6 +246,7 @@ SERVICES = ("detector", "scheduler", "spare_pool", "migration_executor", "billin
 
 
 # --------------------------------------------------------------------------- enums
+
 
 class FaultKind(StrEnum):
     """The fault taxonomy of DESIGN.md §5."""
@@ -292,6 +342,7 @@ class ReportKind(StrEnum):
 
 # --------------------------------------------------------------------------- envelope
 
+
 class Message(BaseModel):
     """Base of everything on the wire: unknown fields are ignored, invalid ones rejected."""
 
@@ -309,6 +360,7 @@ class Event(Message):
 
 
 # --------------------------------------------------------------------------- telemetry
+
 
 class TelemetrySample(Message):
     """One reading of one GPU. Absent fields were not supported or not read."""
@@ -401,6 +453,7 @@ class AgentReport(Event):
 
 # --------------------------------------------------------------------------- detector
 
+
 class FaultDetected(Event):
     """One fault episode on a GPU, node or rank (one per episode, not per sample)."""
 
@@ -438,6 +491,7 @@ class DrainRequested(Event):
 
 
 # --------------------------------------------------------------------------- jobs
+
 
 class Member(Message):
     """One process of a job: a worker or a hot spare, in a slot (node, gpu)."""
@@ -525,6 +579,7 @@ class FenceOrder(Message):
 
 # --------------------------------------------------------------------------- migration
 
+
 class MigrationRequested(Event):
     migration_id: str
     incident_id: str
@@ -575,6 +630,7 @@ class MigrationFailed(Event):
 
 # --------------------------------------------------------------------------- spares
 
+
 class SpareSlot(Message):
     """One spare GPU slot of the inventory."""
 
@@ -623,6 +679,7 @@ class SparePoolLow(Event):
 
 # --------------------------------------------------------------------------- incidents
 
+
 class Incident(Message):
     """One failure as it affected one job (field names from INTERFACES.md)."""
 
@@ -655,6 +712,7 @@ class IncidentClosed(Event):
 
 
 # --------------------------------------------------------------------------- billing
+
 
 class Contract(Message):
     """A tenant's guarantee contract (money in integer minor units)."""
@@ -699,6 +757,7 @@ class CreditIssued(Event):
 
 
 # --------------------------------------------------------------------------- rpc
+
 
 class RpcError(Message):
     code: Literal["invalid", "not_found", "conflict", "unavailable", "internal", "forbidden"]
@@ -751,14 +810,19 @@ EVENT_SUBJECTS: dict[type[Message], str] = {
     FenceOrder: "tr.ctl.fence.{job_id}",
 }
 
-MODELS: dict[str, type[Message]] = {
-    m.__name__: m
-    for m in (
-        *EVENT_SUBJECTS,
-        TelemetrySample, Member, RankAssignment, Generation, SpareSlot, Incident, Contract,
-        Guarantee, RpcError, RpcReply,
-    )
-}
+_OTHER_MODELS: tuple[type[Message], ...] = (
+    TelemetrySample,
+    Member,
+    RankAssignment,
+    Generation,
+    SpareSlot,
+    Incident,
+    Contract,
+    Guarantee,
+    RpcError,
+    RpcReply,
+)
+MODELS: dict[str, type[Message]] = {m.__name__: m for m in (*EVENT_SUBJECTS, *_OTHER_MODELS)}
 
 # Messages read from the events stream, by subject (prefix match for per-entity subjects).
 _STREAM_MODELS: dict[str, type[Event]] = {

@@ -51,39 +51,50 @@ def asyncapi() -> dict[str, Any]:
     messages: dict[str, Any] = {}
     for model, address in EVENT_SUBJECTS.items():
         name = model.__name__
-        messages[name] = {"name": name, "payload": {"$ref": f"schemas/{name}.json"},
-                          "contentType": "application/json"}
+        messages[name] = {
+            "name": name,
+            "payload": {"$ref": f"schemas/{name}.json"},
+            "contentType": "application/json",
+        }
         cid = _channel_id(address)
-        params = {p.split("}")[0]: {"description": p.split("}")[0]}
-                  for p in address.split("{")[1:]}
+        params = {p.split("}")[0]: {"description": p.split("}")[0]} for p in address.split("{")[1:]}
         durable = address.startswith("tr.evt.")
         channel: dict[str, Any] = {
             "address": address,
             "messages": {name: {"$ref": f"#/components/messages/{name}"}},
-            "description": ("JetStream stream " + EVENTS_STREAM.name + "; Nats-Msg-Id = event_id"
-                            if durable else "core NATS" if not address.startswith("tr.dlq")
-                            else "JetStream stream " + DLQ_STREAM.name),
+            "description": (
+                "JetStream stream " + EVENTS_STREAM.name + "; Nats-Msg-Id = event_id"
+                if durable
+                else "core NATS"
+                if not address.startswith("tr.dlq")
+                else "JetStream stream " + DLQ_STREAM.name
+            ),
         }
         if params:
             channel["parameters"] = params
         channels[cid] = channel
-        operations[f"publish_{cid}"] = {"action": "send",
-                                        "channel": {"$ref": f"#/channels/{cid}"}}
+        operations[f"publish_{cid}"] = {"action": "send", "channel": {"$ref": f"#/channels/{cid}"}}
     for service, verbs in RPC_VERBS.items():
         for verb in verbs:
             cid = f"tr_rpc_{service}_{verb}"
-            channels[cid] = {"address": f"tr.rpc.{service}.{verb}",
-                             "description": f"request/reply; reply is RpcReply (queue group "
-                                            f"rpc-{service})",
-                             "messages": {"RpcReply": {"$ref": "#/components/messages/RpcReply"}}}
+            channels[cid] = {
+                "address": f"tr.rpc.{service}.{verb}",
+                "description": f"request/reply; reply is RpcReply (queue group rpc-{service})",
+                "messages": {"RpcReply": {"$ref": "#/components/messages/RpcReply"}},
+            }
             operations[f"request_{cid}"] = {
-                "action": "send", "channel": {"$ref": f"#/channels/{cid}"},
-                "reply": {"channel": {"$ref": f"#/channels/{cid}"}}}
+                "action": "send",
+                "channel": {"$ref": f"#/channels/{cid}"},
+                "reply": {"channel": {"$ref": f"#/channels/{cid}"}},
+            }
     messages["RpcReply"] = {"name": "RpcReply", "payload": {"$ref": "schemas/RpcReply.json"}}
     return {
         "asyncapi": "3.0.0",
-        "info": {"title": "torchrelay wire contract", "version": __version__,
-                 "description": "Subjects, streams and messages of the torchrelay control plane."},
+        "info": {
+            "title": "torchrelay wire contract",
+            "version": __version__,
+            "description": "Subjects, streams and messages of the torchrelay control plane.",
+        },
         "defaultContentType": "application/json",
         "channels": channels,
         "operations": operations,
@@ -91,9 +102,14 @@ def asyncapi() -> dict[str, Any]:
         "x-torchrelay": {
             "streams": [EVENTS_STREAM.model_dump(), DLQ_STREAM.model_dump()],
             "consumers": [c.model_dump() for c in CONSUMERS.values()],
-            "kv_buckets": [{"bucket": GENERATIONS_BUCKET, "key": "job_id",
-                            "value": "schemas/Generation.json",
-                            "writer": "migration_executor (compare-and-set on revision)"}],
+            "kv_buckets": [
+                {
+                    "bucket": GENERATIONS_BUCKET,
+                    "key": "job_id",
+                    "value": "schemas/Generation.json",
+                    "writer": "migration_executor (compare-and-set on revision)",
+                }
+            ],
             "schema_version": SCHEMA_VERSION,
         },
     }
@@ -104,7 +120,7 @@ def generate() -> dict[str, str]:
     files = json_schemas()
     files["asyncapi.json"] = _dump(asyncapi())
     try:
-        from services.api.app import openapi_document  # noqa: PLC0415
+        from services.api.app import openapi_document
 
         files["openapi.json"] = _dump(openapi_document())
     except ImportError:
@@ -135,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             if str(path.relative_to(root)) not in known:
                 path.unlink()
     if stale:
-        print(f"proto/ is stale ({len(stale)} files, e.g. {stale[0]}); run `make proto`",
-              file=sys.stderr)
+        print(
+            f"proto/ is stale ({len(stale)} files, e.g. {stale[0]}); run `make proto`",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

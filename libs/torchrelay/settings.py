@@ -12,7 +12,7 @@ from typing import Literal, TypeVar
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEV_OPERATOR_TOKEN_PREFIX = "trdev_"
+DEV_OPERATOR_TOKEN_PREFIX = "trdev_"  # noqa: S105 - a marker, not a secret
 
 
 class SettingsError(RuntimeError):
@@ -20,7 +20,7 @@ class SettingsError(RuntimeError):
 
 
 def _check_url(value: str, schemes: tuple[str, ...], env: str) -> str:
-    from urllib.parse import urlsplit  # noqa: PLC0415
+    from urllib.parse import urlsplit
 
     try:
         parts = urlsplit(value)
@@ -38,8 +38,9 @@ def _check_url(value: str, schemes: tuple[str, ...], env: str) -> str:
 class CommonSettings(BaseSettings):
     """Settings every torchrelay process shares."""
 
-    model_config = SettingsConfigDict(env_prefix="TORCHRELAY_", extra="ignore",
-                                      populate_by_name=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TORCHRELAY_", extra="ignore", populate_by_name=True
+    )
 
     nats_url: str = Field(
         default="nats://127.0.0.1:4222",
@@ -56,14 +57,16 @@ class CommonSettings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = True
     otlp_endpoint: str | None = None
+    trace_file: str | None = None
     stream_replicas: int = Field(default=1, ge=1, le=5)
     connect_timeout_s: float = Field(default=10.0, gt=0)
 
     @field_validator("nats_url")
     @classmethod
     def _nats_url(cls, v: str) -> str:
-        return ",".join(_check_url(u.strip(), ("nats", "tls", "ws", "wss"), "NATS_URL")
-                        for u in v.split(","))
+        return ",".join(
+            _check_url(u.strip(), ("nats", "tls", "ws", "wss"), "NATS_URL") for u in v.split(",")
+        )
 
     @field_validator("redis_url")
     @classmethod
@@ -80,8 +83,11 @@ class ServiceSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _production_needs_auth(self) -> ServiceSettings:
-        if self.environment == "production" and self.redis_password_required and \
-                "@" not in self.redis_url:
+        if (
+            self.environment == "production"
+            and self.redis_password_required
+            and "@" not in self.redis_url
+        ):
             raise ValueError("REDIS_URL has no password; production refuses an open Redis")
         return self
 
@@ -97,6 +103,10 @@ def load_settings(cls: type[S], **overrides: object) -> S:
         problems = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "settings"
-            env = loc.upper() if loc.upper() in {"NATS_URL", "REDIS_URL"} else f"TORCHRELAY_{loc.upper()}"
+            env = (
+                loc.upper()
+                if loc.upper() in {"NATS_URL", "REDIS_URL"}
+                else f"TORCHRELAY_{loc.upper()}"
+            )
             problems.append(f"{env}: {err['msg']}")
         raise SettingsError("invalid settings: " + "; ".join(problems)) from exc

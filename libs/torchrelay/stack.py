@@ -76,8 +76,12 @@ class ManagedService:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"services.{self.name}"], env=self.env, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                [sys.executable, "-m", f"services.{self.name}"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.started_at = time.monotonic()
         self.ready = False
 
@@ -116,10 +120,17 @@ class Supervisor:
             self.redis_url = self.servers["redis"].url
         embedded = "nats" in self.servers and "redis" in self.servers
         self.operator_token = os.environ.get("TORCHRELAY_OPERATOR_TOKEN") or (
-            DEV_OPERATOR_TOKEN_PREFIX + secrets.token_urlsafe(24) if embedded else None)
+            DEV_OPERATOR_TOKEN_PREFIX + secrets.token_urlsafe(24) if embedded else None
+        )
         base = dict(os.environ)
-        base.update({"NATS_URL": self.nats_url, "REDIS_URL": self.redis_url,
-                     "TORCHRELAY_HOME": str(self.state_dir), "PYTHONUNBUFFERED": "1"})
+        base.update(
+            {
+                "NATS_URL": self.nats_url,
+                "REDIS_URL": self.redis_url,
+                "TORCHRELAY_HOME": str(self.state_dir),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if embedded:
             base.setdefault("TORCHRELAY_ENVIRONMENT", "development")
         if self.operator_token:
@@ -138,8 +149,10 @@ class Supervisor:
             time.sleep(0.1)
         else:
             missing = [n for n, s in self.services.items() if not s.ready]
-            raise RuntimeError(f"services not ready within {READY_TIMEOUT_S:.0f}s: "
-                               f"{', '.join(missing)}; see {self.state_dir / 'logs'}")
+            raise RuntimeError(
+                f"services not ready within {READY_TIMEOUT_S:.0f}s: "
+                f"{', '.join(missing)}; see {self.state_dir / 'logs'}"
+            )
         self.write_stack()
 
     def tick(self) -> None:
@@ -158,8 +171,13 @@ class Supervisor:
                     if now - svc.started_at > 60:
                         svc.backoff_s = 0.5
                     svc.next_start = now + svc.backoff_s
-                    log.warning("service %s exited with %s; restarting in %.1fs (restart #%d)",
-                                svc.name, svc.proc.returncode, svc.backoff_s, svc.restarts + 1)
+                    log.warning(
+                        "service %s exited with %s; restarting in %.1fs (restart #%d)",
+                        svc.name,
+                        svc.proc.returncode,
+                        svc.backoff_s,
+                        svc.restarts + 1,
+                    )
                     svc.backoff_s = min(svc.backoff_s * 2, MAX_BACKOFF_S)
                     svc.ready = False
                 if now >= svc.next_start:
@@ -180,8 +198,10 @@ class Supervisor:
             "redis_url": self.redis_url,
             "api_url": f"http://127.0.0.1:{api.port}" if api else None,
             "operator_token": self.operator_token,
-            "services": {n: {"pid": s.proc.pid if s.proc else None, "port": s.port,
-                             "restarts": s.restarts} for n, s in self.services.items()},
+            "services": {
+                n: {"pid": s.proc.pid if s.proc else None, "port": s.port, "restarts": s.restarts}
+                for n, s in self.services.items()
+            },
             "servers": {n: {"pid": s.pid, "port": s.port} for n, s in self.servers.items()},
             "supervisor_pid": os.getpid(),
         }
@@ -219,12 +239,14 @@ class Supervisor:
 def supervise(state_dir: Path) -> int:
     """Run a supervisor in this process until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    sup = Supervisor(state_dir, os.environ.get("NATS_URL") or None,
-                     os.environ.get("REDIS_URL") or None)
+    sup = Supervisor(
+        state_dir, os.environ.get("NATS_URL") or None, os.environ.get("REDIS_URL") or None
+    )
     try:
         sup.start()
-        print(f"torchrelay stack ready: api {sup.services['api'].port}, state {state_dir}",
-              flush=True)
+        print(
+            f"torchrelay stack ready: api {sup.services['api'].port}, state {state_dir}", flush=True
+        )
         sup.serve_forever()
     finally:
         sup.stop()
@@ -236,8 +258,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     state_dir = state_dir_from(args.state_dir)
     existing = read_stack(state_dir)
     if existing and _pid_alive(existing.get("supervisor_pid")):
-        print(f"a stack is already running from {state_dir} (pid {existing['supervisor_pid']}); "
-              "`torchrelay down` stops it", file=sys.stderr)
+        print(
+            f"a stack is already running from {state_dir} (pid {existing['supervisor_pid']}); "
+            "`torchrelay down` stops it",
+            file=sys.stderr,
+        )
         return 1
     if not args.detach:
         return supervise(state_dir)
@@ -245,19 +270,28 @@ def cmd_up(args: argparse.Namespace) -> int:
     with contextlib.suppress(FileNotFoundError):
         (state_dir / "stack.json").unlink()
     logf = (state_dir / "supervisor.log").open("ab")
-    proc = subprocess.Popen([sys.executable, "-m", "torchrelay.stack", "supervise",
-                             "--state-dir", str(state_dir)], stdout=logf, stderr=logf,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchrelay.stack", "supervise", "--state-dir", str(state_dir)],
+        stdout=logf,
+        stderr=logf,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + READY_TIMEOUT_S + 15
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            print(f"the stack failed to start (exit {proc.returncode}); see "
-                  f"{state_dir / 'supervisor.log'} and {state_dir / 'logs'}", file=sys.stderr)
+            print(
+                f"the stack failed to start (exit {proc.returncode}); see "
+                f"{state_dir / 'supervisor.log'} and {state_dir / 'logs'}",
+                file=sys.stderr,
+            )
             return 1
         stack = read_stack(state_dir)
         if stack is not None:
-            print(f"torchrelay is up: api {stack['api_url']}, nats {stack['nats_url']}, "
-                  f"state {state_dir}/stack.json")
+            print(
+                f"torchrelay is up: api {stack['api_url']}, nats {stack['nats_url']}, "
+                f"state {state_dir}/stack.json"
+            )
             return 0
         time.sleep(0.2)
     print("the stack did not become ready in time", file=sys.stderr)

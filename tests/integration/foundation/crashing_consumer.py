@@ -25,8 +25,14 @@ async def main(nats_url: str, redis_url: str, durable: str, subject: str) -> Non
     async def handler(event: Event, delivery: Delivery) -> None:
         await r.rpush("effects", event.event_id)
 
-    spec = ConsumerSpec(service="test", durable=durable, filter_subjects=[subject],
-                        backoff_s=[0.5, 1.0], max_deliver=5, ack_wait_s=1.0)
+    spec = ConsumerSpec(
+        service="test",
+        durable=durable,
+        filter_subjects=[subject],
+        backoff_s=[0.5, 1.0],
+        max_deliver=5,
+        ack_wait_s=1.0,
+    )
     await bus.consume(spec, handler, DieAfterMark(r, "test"))
     await asyncio.sleep(30)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -41,17 +42,18 @@ SUBJECT = Subjects.JOB_FINISHED
 
 
 def finished(i: int) -> JobFinished:
-    return JobFinished(event_id=f"evt-{i}", source="test", job_id=f"job-{i}", tenant="t",
-                       outcome="succeeded")
+    return JobFinished(
+        event_id=f"evt-{i}", source="test", job_id=f"job-{i}", tenant="t", outcome="succeeded"
+    )
 
 
 def spec(durable: str, **kw: object) -> ConsumerSpec:
-    return ConsumerSpec(service="test", durable=durable, filter_subjects=[SUBJECT],
-                        **kw)  # type: ignore[arg-type]
+    return ConsumerSpec(service="test", durable=durable, filter_subjects=[SUBJECT], **kw)  # type: ignore[arg-type]
 
 
-async def wait_for(cond: Callable[[], Awaitable[bool]] | Callable[[], bool],
-                   timeout: float = 10.0) -> None:
+async def wait_for(
+    cond: Callable[[], Awaitable[bool]] | Callable[[], bool], timeout: float = 10.0
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         res = cond()
@@ -118,21 +120,25 @@ async def test_handler_error_is_redelivered_and_then_processed(bus: Bus) -> None
         done.append(event.event_id)
 
     await bus.publish(finished(5), SUBJECT)
-    await bus.consume(spec("flaky", backoff_s=[0.2, 0.5], max_deliver=4, ack_wait_s=1.0),
-                      flaky, MemoryDeduper())
+    await bus.consume(
+        spec("flaky", backoff_s=[0.2, 0.5], max_deliver=4, ack_wait_s=1.0), flaky, MemoryDeduper()
+    )
     await wait_for(lambda: done == ["evt-5"])
     assert attempts == [1, 2]
 
 
 async def test_crash_before_ack_redelivers_and_dedupe_keeps_effect_single(
-        bus: Bus, redis: aioredis.Redis, nats_url: str, redis_url: str) -> None:
+    bus: Bus, redis: aioredis.Redis, nats_url: str, redis_url: str
+) -> None:
     await bus.publish(finished(6), SUBJECT)
     durable = "crashy"
-    await bus.provision_consumer(spec(durable, backoff_s=[0.5, 1.0], max_deliver=5,
-                                      ack_wait_s=1.0))
+    await bus.provision_consumer(spec(durable, backoff_s=[0.5, 1.0], max_deliver=5, ack_wait_s=1.0))
     script = Path(__file__).with_name("crashing_consumer.py")
-    proc = subprocess.run([sys.executable, str(script), nats_url, redis_url, durable, SUBJECT],
-                          timeout=60, capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, str(script), nats_url, redis_url, durable, SUBJECT],
+        timeout=60,
+        capture_output=True,
+    )
     assert proc.returncode == 17, proc.stderr.decode()[-2000:]
     assert await redis.lrange("effects", 0, -1) == [b"evt-6"]
 
@@ -150,8 +156,12 @@ async def test_crash_before_ack_redelivers_and_dedupe_keeps_effect_single(
             acked.append(result)
             return result
 
-    await bus.consume(spec(durable, backoff_s=[0.5, 1.0], max_deliver=5, ack_wait_s=1.0),
-                      handler, Spy(redis, "test"), provision=False)
+    await bus.consume(
+        spec(durable, backoff_s=[0.5, 1.0], max_deliver=5, ack_wait_s=1.0),
+        handler,
+        Spy(redis, "test"),
+        provision=False,
+    )
     await wait_for(lambda: acked == [True], timeout=15)  # the message came back, was dropped
     assert deliveries == []
     assert await redis.lrange("effects", 0, -1) == [b"evt-6"]
@@ -164,8 +174,12 @@ async def test_malformed_payload_goes_to_dlq_and_next_message_is_processed(bus: 
         got.append(event.event_id)
 
     await bus.js.publish(SUBJECT, b"{not json")
-    await bus.js.publish(SUBJECT, json.dumps({"event_id": "x", "source": "s", "job_id": "j",
-                                              "tenant": "t", "outcome": "exploded"}).encode())
+    await bus.js.publish(
+        SUBJECT,
+        json.dumps(
+            {"event_id": "x", "source": "s", "job_id": "j", "tenant": "t", "outcome": "exploded"}
+        ).encode(),
+    )
     await bus.publish(finished(7), SUBJECT)
     await bus.consume(spec("poison"), handler, MemoryDeduper())
     await wait_for(lambda: got == ["evt-7"])
@@ -190,8 +204,9 @@ async def test_restarted_consumer_resumes_where_it_left_off(nats_url: str, bus: 
             await asyncio.sleep(3600)  # never acks: the process "dies" here
         first.append(event.event_id)
 
-    await b1.consume(spec("resume", ack_wait_s=1.0, backoff_s=[1.0, 2.0]), h1, MemoryDeduper(),
-                     batch=1)
+    await b1.consume(
+        spec("resume", ack_wait_s=1.0, backoff_s=[1.0, 2.0]), h1, MemoryDeduper(), batch=1
+    )
     await asyncio.wait_for(stop_after.wait(), 10)
     await b1.close()
 
@@ -200,8 +215,9 @@ async def test_restarted_consumer_resumes_where_it_left_off(nats_url: str, bus: 
     async def h2(event: Event, _: Delivery) -> None:
         second.append(event.event_id)
 
-    await bus.consume(spec("resume", ack_wait_s=1.0, backoff_s=[1.0, 2.0]), h2, MemoryDeduper(),
-                      provision=False)
+    await bus.consume(
+        spec("resume", ack_wait_s=1.0, backoff_s=[1.0, 2.0]), h2, MemoryDeduper(), provision=False
+    )
     await wait_for(lambda: len(second) >= 3, timeout=15)
     await asyncio.sleep(1.5)  # past ack_wait: an acked message would not come back anyway
     assert first == ["evt-10", "evt-11"]
@@ -227,20 +243,24 @@ async def test_rpc_invalid_request_names_field_and_service_keeps_serving(bus: Bu
         await bus.request(Subjects.rpc("calc", "double"), {"exit_code": "x"}, timeout=2)
     assert err.value.error.code == "invalid"
     assert err.value.error.field in {"event_id", "exit_code"}
-    ok = await bus.request(Subjects.rpc("calc", "double"),
-                           finished(1).model_copy(update={"exit_code": 4}), timeout=2)
+    ok = await bus.request(
+        Subjects.rpc("calc", "double"), finished(1).model_copy(update={"exit_code": 4}), timeout=2
+    )
     assert ok == {"twice": 8}
 
 
 async def test_kv_update_with_stale_revision_is_refused(bus: Bus) -> None:
-    gen1 = Generation(job_id="kvjob", generation=1, world_size=1, store_member="m0",
-                      store_addr="127.0.0.1:1",
-                      ranks=[RankAssignment(rank=0, member_id="m0", node="n0", gpu=0)])
+    gen1 = Generation(
+        job_id="kvjob",
+        generation=1,
+        world_size=1,
+        store_member="m0",
+        store_addr="127.0.0.1:1",
+        ranks=[RankAssignment(rank=0, member_id="m0", node="n0", gpu=0)],
+    )
     kv = await bus.generations()
-    try:
+    with contextlib.suppress(Exception):
         await kv.delete("kvjob")
-    except Exception:  # noqa: S110 - absent key is fine
-        pass
     current = await bus.get_generation("kvjob")
     rev = await bus.put_generation(gen1, current[1] if current else None)
     gen2 = gen1.model_copy(update={"generation": 2})

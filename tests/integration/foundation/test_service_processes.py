@@ -20,10 +20,16 @@ pytestmark = pytest.mark.slow
 
 def _env(nats_url: str, redis_url: str, port: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"NATS_URL": nats_url, "REDIS_URL": redis_url,
-                "TORCHRELAY_HTTP_PORT": str(port), "TORCHRELAY_CONNECT_TIMEOUT_S": "2",
-                "TORCHRELAY_ENVIRONMENT": "test",
-                "TORCHRELAY_OPERATOR_TOKEN": "trtest_" + "x" * 32})
+    env.update(
+        {
+            "NATS_URL": nats_url,
+            "REDIS_URL": redis_url,
+            "TORCHRELAY_HTTP_PORT": str(port),
+            "TORCHRELAY_CONNECT_TIMEOUT_S": "2",
+            "TORCHRELAY_ENVIRONMENT": "test",
+            "TORCHRELAY_OPERATOR_TOKEN": "trtest_" + "x" * 32,
+        }
+    )
     return env
 
 
@@ -37,11 +43,15 @@ def _get(port: int, path: str) -> tuple[int, dict[str, object]]:
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_service_starts_answers_readyz_and_stops_on_sigterm(
-        service: str, nats_url: str, redis_url: str) -> None:
+    service: str, nats_url: str, redis_url: str
+) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", f"services.{service}"],
-                            env=_env(nats_url, redis_url, port), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"services.{service}"],
+        env=_env(nats_url, redis_url, port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         status = 0
@@ -73,18 +83,25 @@ def test_service_starts_answers_readyz_and_stops_on_sigterm(
 def test_unreachable_nats_exits_nonzero_naming_the_setting(service: str, redis_url: str) -> None:
     port = free_port()
     dead = f"nats://127.0.0.1:{free_port()}"
-    proc = subprocess.run([sys.executable, "-m", f"services.{service}"],
-                          env=_env(dead, redis_url, port), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"services.{service}"],
+        env=_env(dead, redis_url, port),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "NATS_URL" in proc.stderr
 
 
 @pytest.mark.parametrize("service", SERVICES)
-def test_malformed_redis_url_exits_nonzero_naming_the_setting(service: str,
-                                                              nats_url: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", f"services.{service}"],
-                          env=_env(nats_url, "redis//oops", free_port()), capture_output=True,
-                          text=True, timeout=60)
+def test_malformed_redis_url_exits_nonzero_naming_the_setting(service: str, nats_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", f"services.{service}"],
+        env=_env(nats_url, "redis//oops", free_port()),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "REDIS_URL" in proc.stderr

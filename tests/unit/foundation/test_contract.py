@@ -36,19 +36,37 @@ def test_event_ids_are_deterministic_and_distinct() -> None:
 
 def test_timestamps_are_normalised_to_utc_and_naive_ones_refused() -> None:
     local = datetime(2026, 1, 1, 12, tzinfo=timezone(timedelta(hours=2)))
-    fault = FaultDetected(event_id="e", source="t", fault_id="f", cluster="c", node="n",
-                          kind=FaultKind.GPU_LOST, severity=Severity.FATAL,
-                          action=FaultAction.MIGRATE_NOW, occurred_at=local)
+    fault = FaultDetected(
+        event_id="e",
+        source="t",
+        fault_id="f",
+        cluster="c",
+        node="n",
+        kind=FaultKind.GPU_LOST,
+        severity=Severity.FATAL,
+        action=FaultAction.MIGRATE_NOW,
+        occurred_at=local,
+    )
     assert fault.occurred_at == datetime(2026, 1, 1, 10, tzinfo=UTC)
     with pytest.raises(ValidationError, match="timezone"):
-        FaultDetected(event_id="e", source="t", fault_id="f", cluster="c", node="n",
-                      kind=FaultKind.GPU_LOST, severity=Severity.FATAL,
-                      action=FaultAction.MIGRATE_NOW, occurred_at=datetime(2026, 1, 1))
+        FaultDetected(
+            event_id="e",
+            source="t",
+            fault_id="f",
+            cluster="c",
+            node="n",
+            kind=FaultKind.GPU_LOST,
+            severity=Severity.FATAL,
+            action=FaultAction.MIGRATE_NOW,
+            occurred_at=datetime(2026, 1, 1),
+        )
 
 
 def test_unknown_fields_are_accepted_and_invalid_ones_named() -> None:
-    raw = ('{"event_id":"e","source":"s","job_id":"j","member_id":"m","generation":1,'
-           '"step":3,"node":"n","gpu":0,"pid":1,"from_the_future":true}')
+    raw = (
+        '{"event_id":"e","source":"s","job_id":"j","member_id":"m","generation":1,'
+        '"step":3,"node":"n","gpu":0,"pid":1,"from_the_future":true}'
+    )
     hb = Heartbeat.model_validate_json(raw)
     assert hb.step == 3
     with pytest.raises(ValidationError) as err:
@@ -57,20 +75,51 @@ def test_unknown_fields_are_accepted_and_invalid_ones_named() -> None:
 
 
 def test_events_are_frozen() -> None:
-    hb = Heartbeat(event_id="e", source="s", job_id="j", member_id="m", generation=1, step=1,
-                   node="n", gpu=0, pid=1)
+    hb = Heartbeat(
+        event_id="e",
+        source="s",
+        job_id="j",
+        member_id="m",
+        generation=1,
+        step=1,
+        node="n",
+        gpu=0,
+        pid=1,
+    )
     with pytest.raises(ValidationError):
         hb.step = 2  # type: ignore[misc]
 
 
 def test_incident_fields_match_interfaces() -> None:
-    documented = ("incident_id, tenant, job_id, rank, node, gpu, fault_kind, severity, "
-                  "detected_at, resolved_at, resolution, stall_ms, lost_steps, bytes_moved, "
-                  "generation_before, generation_after").split(", ")
+    documented = [
+        "incident_id",
+        "tenant",
+        "job_id",
+        "rank",
+        "node",
+        "gpu",
+        "fault_kind",
+        "severity",
+        "detected_at",
+        "resolved_at",
+        "resolution",
+        "stall_ms",
+        "lost_steps",
+        "bytes_moved",
+        "generation_before",
+        "generation_after",
+    ]
     assert set(documented) <= set(Incident.model_fields)
     assert {r.value for r in contract.Resolution} == {
-        "open", "migrated_live", "migrated_proactive", "checkpoint_restart", "shrunk",
-        "manual", "lost", "excluded"}
+        "open",
+        "migrated_live",
+        "migrated_proactive",
+        "checkpoint_restart",
+        "shrunk",
+        "manual",
+        "lost",
+        "excluded",
+    }
 
 
 def test_every_stream_subject_maps_back_to_its_model() -> None:
@@ -86,6 +135,10 @@ def test_public_surface_is_pinned() -> None:
 
 
 def test_proto_is_up_to_date() -> None:
-    proc = subprocess.run([sys.executable, "-m", "torchrelay.protogen", str(ROOT / "proto"),
-                           "--check"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchrelay.protogen", str(ROOT / "proto"), "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
