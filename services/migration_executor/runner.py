@@ -1,0 +1,530 @@
+"""Carries sagas forward: performs the action of a saga's persisted phase, persists the next.
+
+Handlers only create sagas and record reports; the waits are driven here, by a ticker that
+re-reads every unfinished saga from Redis (so a restarted executor resumes them all) and by
+kicks when a report for the saga's job arrives. One task per saga at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
+
+from torchrelay.bus import Bus, NoResponder, RpcFailed, StaleRevision
+from torchrelay.contract import (
+    FenceOrder,
+    Generation,
+    MigrationCompleted,
+    MigrationFailed,
+    MigrationStarted,
+    Resolution,
+    SpareSlot,
+    Subjects,
+    make_event_id,
+    utcnow,
+)
+from torchrelay.generations import (
+    Candidate,
+    GenerationError,
+    GenerationWriter,
+    changed_event,
+    replace_rank,
+)
+
+from . import saga
+from .saga import Lease, Phase, SagaState, Timing
+from .store import ExecutorStore
+
+SOURCE = "migration_executor"
+# Codes with which the spare pool says "nothing to hand out" rather than "you asked wrong".
+_NO_SPARE_CODES = frozenset({"not_found", "conflict", "unavailable"})
+_CRASH_EXIT = 86
+
+
+class SagaRunner:
+    """Drives every unfinished saga of this executor."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        store: ExecutorStore,
+        timing: Timing,
+        *,
+        log: logging.Logger,
+        rpc_timeout_s: float = 3.0,
+        lease_s: float = 300.0,
+        crash_at: str | None = None,
+        on_done: Callable[[SagaState], None] | None = None,
+    ) -> None:
+        self.bus = bus
+        self.store = store
+        self.timing = timing
+        self.log = log
+        self.rpc_timeout_s = rpc_timeout_s
+        self.lease_s = lease_s
+        self.crash_at = crash_at
+        self.on_done = on_done
+        self.writer = GenerationWriter(bus, SOURCE)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def kick(self, migration_id: str) -> None:
+        """Advance a saga now (or right after the pass already running for it)."""
+        task = self._tasks.get(migration_id)
+        if task is not None and not task.done():
+            self._again.add(migration_id)
+            return
+        self._tasks[migration_id] = asyncio.create_task(
+            self._drive(migration_id), name=f"saga:{migration_id[:12]}"
+        )
+
+    async def kick_job(self, job_id: str) -> None:
+        """Advance every unfinished saga of a job (a report for it arrived)."""
+        active = set(await self.store.active())
+        for migration_id in await self.store.of_job(job_id):
+            if migration_id in active:
+                self.kick(migration_id)
+
+    async def tick_forever(self, poll_s: float) -> None:
+        """Re-read every unfinished saga periodically: deadlines and retries live here."""
+        while True:
+            try:
+                for migration_id in await self.store.active():
+                    self.kick(migration_id)
+            except Exception:
+                self.log.exception("saga tick failed; retrying")
+            await asyncio.sleep(poll_s)
+
+    async def close(self) -> None:
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    async def _drive(self, migration_id: str) -> None:
+        while True:
+            try:
+                state = await self.store.load(migration_id)
+                if state is None:
+                    return
+                if state.phase == Phase.DONE:
+                    await self.store.finish(state)
+                    return
+                moved = await self.advance(state, utcnow())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # The state in Redis is unchanged for the failed step; the ticker retries.
+                self.log.exception("saga step failed", extra={"migration_id": migration_id})
+                return
+            if moved is None:
+                if migration_id in self._again:
+                    self._again.discard(migration_id)
+                    continue
+                return
+            if moved.phase == Phase.DONE:
+                await self.store.finish(moved)
+                if self.on_done is not None:
+                    self.on_done(moved)
+                return
+
+    async def _save(self, state: SagaState) -> SagaState:
+        await self.store.save(state)
+        return state
+
+    def _crash_point(self, point: str) -> None:
+        """Test hook (TORCHRELAY_TEST_CRASH_AT): die like kill -9 at a named point."""
+        if self.crash_at == point:
+            self.log.warning("crashing at %s on purpose (TORCHRELAY_TEST_CRASH_AT)", point)
+            os._exit(_CRASH_EXIT)
+
+    # ------------------------------------------------------------------ one step
+
+    async def advance(self, state: SagaState, now: datetime) -> SagaState | None:
+        """Perform the action of ``state``'s phase; the persisted next state, or None."""
+        if state.to_release or state.to_quarantine or state.to_fence:
+            return await self._compensate(state)
+        if state.phase in (
+            Phase.RESERVE,
+            Phase.WAIT_SPARE,
+            Phase.SPAWN,
+            Phase.AWAIT_JOIN,
+            Phase.PUBLISH,
+            Phase.AWAIT_RESUME,
+            Phase.SHRINK,
+        ) and await self.store.finished(state.job_id):
+            return await self._save(saga.aborted(state, now, "the job finished"))
+        if saga.waiting_for(state, now):
+            return None
+        handler = {
+            Phase.RESERVE: self._reserve,
+            Phase.WAIT_SPARE: self._reserve,
+            Phase.SPAWN: self._spawn,
+            Phase.AWAIT_JOIN: self._await_join,
+            Phase.PUBLISH: self._publish,
+            Phase.AWAIT_RESUME: self._await_resume,
+            Phase.CONFIRM: self._confirm,
+            Phase.SHRINK: self._shrink,
+            Phase.QUARANTINE: self._quarantine,
+            Phase.FENCE: self._fence,
+            Phase.COMPLETE: self._complete,
+            Phase.FAIL: self._fail,
+        }[state.phase]
+        return await handler(state, now)
+
+    async def _request(self, subject: str, payload: dict[str, Any]) -> Any:
+        return await self.bus.request(subject, payload, timeout=self.rpc_timeout_s)
+
+    async def _reserve(self, state: SagaState, now: datetime) -> SagaState | None:
+        if not await self.store.lock_job(state.job_id, state.migration_id):
+            # Another migration of this job is changing its generation: wait our turn.
+            return None
+        payload = {
+            "job_id": state.job_id,
+            "cluster": state.terms.cluster,
+            "near_node": state.failed_node,
+            "lease_s": self.lease_s,
+        }
+        try:
+            result = await self._request(Subjects.rpc("spare_pool", "reserve"), payload)
+        except NoResponder as exc:
+            self.log.warning("spare pool unreachable: %s", exc)
+            return await self._save(saga.pool_unreachable(state, now, self.timing))
+        except RpcFailed as exc:
+            if exc.error.code not in _NO_SPARE_CODES:
+                self.log.warning("spare pool refused the reservation: %s", exc)
+            return await self._save(saga.no_spare(state, now, self.timing, exc.error.message))
+        lease = _lease(result)
+        if lease is None:
+            return await self._save(saga.no_spare(state, now, self.timing, "no lease"))
+        moved = await self._save(saga.reserved(state, lease, now, self.timing))
+        self.log.info(
+            "spare reserved",
+            extra={
+                "migration_id": state.migration_id,
+                "lease_id": lease.lease_id,
+                "slot_id": lease.slot.slot_id,
+                "member_id": lease.slot.member_id,
+            },
+        )
+        self._crash_point("after_reserve")
+        return moved
+
+    async def _spawn(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.lease is not None
+        slot = state.lease.slot
+        try:
+            result = await self._request(
+                Subjects.launcher(state.job_id, "spawn_spare"),
+                {"node": slot.node, "gpu": slot.gpu, "slot_id": slot.slot_id},
+            )
+            member_id = str(result["member_id"])
+        except (NoResponder, RpcFailed, KeyError, TypeError) as exc:
+            return await self._save(
+                saga.timed_out(state, now, self.timing, f"could not start a spare: {exc}")
+            )
+        return await self._save(saga.spawned(state, member_id, now, self.timing))
+
+    async def _await_join(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.spare_member is not None
+        if await self.store.has_joined(state.job_id, state.spare_member):
+            return await self._save(saga.joined(state, now))
+        if state.deadline is not None and now >= state.deadline:
+            return await self._save(
+                saga.timed_out(state, now, self.timing, f"{state.spare_member} did not join")
+            )
+        return None
+
+    async def _current(self, state: SagaState) -> tuple[Generation, int] | None:
+        return await self.writer.current(state.job_id)
+
+    async def _publish(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.lease is not None
+        assert state.spare_member is not None
+        found = await self._current(state)
+        if found is None:
+            return await self._save(
+                saga.fail(state, Resolution.LOST, now, "the job has no generation")
+            )
+        current, revision = found
+        if current.migration_id == state.migration_id:
+            # Written before a crash: announce it again (same event id) and go on.
+            await self.bus.publish(changed_event(current, SOURCE), Subjects.GENERATION_CHANGED)
+            return await self._after_publish(state, current, now)
+        holder = next((a.member_id for a in current.ranks if a.rank == state.rank), None)
+        if holder != state.holder_member:
+            return await self._save(
+                saga.fail(
+                    state,
+                    Resolution.LOST,
+                    now,
+                    f"rank {state.rank} is held by {holder}, not {state.holder_member}",
+                )
+            )
+        joined = await self.store.joined(state.job_id)
+        addrs = {m: r.store_addr for m, r in joined.items() if r.store_addr}
+        spare_report = joined.get(state.spare_member)
+        slot = state.lease.slot
+        candidate = Candidate(
+            state.spare_member,
+            slot.node,
+            slot.gpu,
+            spare_report.store_addr if spare_report else None,
+        )
+        try:
+            nxt = replace_rank(
+                current,
+                state.rank,
+                candidate,
+                mode=state.mode,
+                store_addrs=addrs,
+                migration_id=state.migration_id,
+                reason=state.fault_kind.value,
+            )
+        except GenerationError as exc:
+            return await self._save(saga.fail(state, Resolution.LOST, now, str(exc)))
+        try:
+            await self.bus.put_generation(nxt, revision)
+        except StaleRevision:
+            self.log.info(
+                "generation changed under us; re-planning",
+                extra={"migration_id": state.migration_id},
+            )
+            self._again.add(state.migration_id)
+            return None
+        self._crash_point("after_publish")
+        await self.bus.publish(changed_event(nxt, SOURCE), Subjects.GENERATION_CHANGED)
+        return await self._after_publish(state, nxt, now)
+
+    async def _after_publish(self, state: SagaState, gen: Generation, now: datetime) -> SagaState:
+        assert state.lease is not None
+        await self.bus.publish(
+            MigrationStarted(
+                event_id=make_event_id("migration_started", state.migration_id, gen.generation),
+                source=SOURCE,
+                migration_id=state.migration_id,
+                incident_id=state.incident_id,
+                job_id=state.job_id,
+                rank=state.rank,
+                lease_id=state.lease.lease_id,
+                spare_slot_id=state.lease.slot.slot_id,
+                generation_before=gen.generation - 1,
+                generation_after=gen.generation,
+            ),
+            Subjects.MIGRATION_STARTED,
+        )
+        return await self._save(saga.published(state, gen, now, self.timing))
+
+    async def _await_resume(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.generation_after is not None
+        reports = await self.store.resumed(state.job_id, state.generation_after)
+        stats = saga.resume_stats(state.members_after, state.spare_member, reports)
+        if stats is not None:
+            return await self._save(saga.resumed(state, stats, now))
+        if state.deadline is not None and now >= state.deadline:
+            missing = [m for m in state.members_after if m not in reports]
+            return await self._save(
+                saga.timed_out(state, now, self.timing, f"no RESUMED from {', '.join(missing)}")
+            )
+        return None
+
+    async def _best_effort(
+        self, state: SagaState, now: datetime, subject: str, payload: dict[str, Any], what: str
+    ) -> bool:
+        """A side request that must not block the saga forever: True when it is done."""
+        try:
+            await self._request(subject, payload)
+            return True
+        except RpcFailed as exc:
+            self.log.warning("%s refused: %s", what, exc)
+            return True
+        except NoResponder as exc:
+            if (now - state.phase_since).total_seconds() >= self.timing.reserve_timeout_s:
+                self.log.warning("%s unanswered, going on: %s", what, exc)
+                return True
+            await self._save(
+                state.model_copy(
+                    update={"next_try_at": now + timedelta(seconds=self.timing.retry_s)}
+                )
+            )
+            return False
+
+    async def _confirm(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.lease is not None
+        if not await self._best_effort(
+            state,
+            now,
+            Subjects.rpc("spare_pool", "confirm"),
+            {"lease_id": state.lease.lease_id},
+            "lease confirm",
+        ):
+            return None
+        return await self._save(saga.confirmed(state, now))
+
+    async def _quarantine(self, state: SagaState, now: datetime) -> SagaState | None:
+        if saga.should_quarantine(state.fault_kind) and not await self._best_effort(
+            state,
+            now,
+            Subjects.rpc("spare_pool", "quarantine"),
+            {
+                "node": state.failed_node,
+                "gpu": state.failed_gpu,
+                "cluster": state.terms.cluster,
+                "reason": f"{state.fault_kind.value} (incident {state.incident_id})",
+            },
+            "quarantine",
+        ):
+            return None
+        return await self._save(saga.quarantined(state, now))
+
+    async def _fence_member(self, state: SagaState, member_id: str) -> None:
+        order = FenceOrder(
+            job_id=state.job_id,
+            member_id=member_id,
+            generation=state.generation_after or state.generation_before,
+            reason=f"replaced by migration {state.migration_id}",
+        )
+        try:
+            await self.bus.request(Subjects.fence(state.job_id), order, timeout=self.rpc_timeout_s)
+        except (NoResponder, RpcFailed) as exc:
+            # The member fences itself when it sees the newer generation (protocol §5).
+            self.log.warning("fence of %s not confirmed: %s", member_id, exc)
+
+    async def _fence(self, state: SagaState, now: datetime) -> SagaState | None:
+        for member in dict.fromkeys([state.failed_member, state.holder_member]):
+            await self._fence_member(state, member)
+        return await self._save(saga.fenced(state, now))
+
+    async def _complete(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.lease is not None
+        assert state.stats is not None
+        assert state.generation_after is not None
+        await self.bus.publish(
+            MigrationCompleted(
+                event_id=make_event_id("migration_completed", state.migration_id),
+                source=SOURCE,
+                migration_id=state.migration_id,
+                incident_id=state.incident_id,
+                job_id=state.job_id,
+                rank=state.rank,
+                mode=state.mode,
+                to_node=state.lease.slot.node,
+                to_gpu=state.lease.slot.gpu,
+                generation_before=state.generation_before,
+                generation_after=state.generation_after,
+                stall_ms=state.stats.stall_ms,
+                lost_steps=state.stats.lost_steps,
+                bytes_moved=state.stats.bytes_moved,
+            ),
+            Subjects.MIGRATION_COMPLETED,
+        )
+        return await self._save(saga.done(state, now))
+
+    async def _fail(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.fallback is not None
+        await self.bus.publish(
+            MigrationFailed(
+                event_id=make_event_id("migration_failed", state.migration_id),
+                source=SOURCE,
+                migration_id=state.migration_id,
+                incident_id=state.incident_id,
+                job_id=state.job_id,
+                reason=state.reason or "migration failed",
+                fallback=state.fallback,
+            ),
+            Subjects.MIGRATION_FAILED,
+        )
+        return await self._save(saga.done(state, now))
+
+    async def _shrink(self, state: SagaState, now: datetime) -> SagaState | None:
+        found = await self._current(state)
+        if found is None:
+            return await self._save(
+                saga.fail(state, Resolution.LOST, now, "the job has no generation")
+            )
+        current, revision = found
+        if current.migration_id == state.migration_id:
+            await self.bus.publish(changed_event(current, SOURCE), Subjects.GENERATION_CHANGED)
+            return await self._save(saga.shrunk(state, current, now))
+        joined = await self.store.joined(state.job_id)
+        addrs = {m: r.store_addr for m, r in joined.items() if r.store_addr}
+        try:
+            nxt = saga.shrink_generation(
+                current,
+                state.rank,
+                addrs,
+                state.migration_id,
+                reason=f"shrink: {state.fault_kind.value}",
+            )
+        except ValueError as exc:
+            return await self._save(
+                saga.fail(state, Resolution.CHECKPOINT_RESTART, now, f"cannot shrink: {exc}")
+            )
+        try:
+            await self.bus.put_generation(nxt, revision)
+        except StaleRevision:
+            self._again.add(state.migration_id)
+            return None
+        await self.bus.publish(changed_event(nxt, SOURCE), Subjects.GENERATION_CHANGED)
+        return await self._save(saga.shrunk(state, nxt, now))
+
+    async def _compensate(self, state: SagaState) -> SagaState | None:
+        """Carry out one pending compensation; each is removed once done."""
+        if state.to_release:
+            lease_id = state.to_release[0]
+            try:
+                await self._request(
+                    Subjects.rpc("spare_pool", "release"),
+                    {
+                        "lease_id": lease_id,
+                        "reason": state.reason or f"migration {state.migration_id} compensated",
+                    },
+                )
+            except RpcFailed as exc:
+                self.log.warning("release of lease %s refused: %s", lease_id, exc)
+            except NoResponder:
+                # An unconfirmed lease expires by itself; try again until then.
+                return None
+            return await self._save(saga.compensated(state, released=lease_id))
+        if state.to_quarantine:
+            ref = state.to_quarantine[0]
+            try:
+                await self._request(
+                    Subjects.rpc("spare_pool", "quarantine"),
+                    {
+                        "node": ref.node,
+                        "gpu": ref.gpu,
+                        "cluster": ref.cluster,
+                        "reason": ref.reason,
+                    },
+                )
+            except (RpcFailed, NoResponder) as exc:
+                self.log.warning("quarantine of %s:%s failed: %s", ref.node, ref.gpu, exc)
+            return await self._save(saga.compensated(state, quarantined_slot=ref))
+        member = state.to_fence[0]
+        await self._fence_member(state, member)
+        return await self._save(saga.compensated(state, fenced_member=member))
+
+
+def _lease(result: Any) -> Lease | None:
+    if not isinstance(result, dict) or not result.get("lease_id"):
+        return None
+    try:
+        return Lease(
+            lease_id=str(result["lease_id"]),
+            slot=SpareSlot.model_validate(result["slot"]),
+            expires_at=result.get("expires_at"),
+        )
+    except (KeyError, ValidationError):
+        return None

@@ -1,0 +1,147 @@
+"""The executor's Redis state under ``tr:migration_executor``: sagas, jobs, agent reports.
+
+``saga:<id>`` holds a saga's state (written before the action its phase names);
+``sagas:active`` the sagas not yet done, ``sagas:job:<job>`` a job's sagas, ``sagas`` all of
+them by start time; ``jobs:<job>`` the job's registration; ``joined:<job>`` the JOINED
+reports (member -> report) and ``resumed:<job>:<g>`` the RESUMED reports of generation g;
+``joblock:<job>`` the one saga that may change the job's generation now.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from torchrelay.contract import AgentReport, JobRegistered, MigrationRequested
+
+from .saga import SagaState
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class ExecutorStore:
+    """Persistence of the executor's sagas and of what it learnt from the agents."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+        self._r = redis
+        self._p = prefix
+
+    # ------------------------------------------------------------------ sagas
+
+    async def create(self, state: SagaState) -> bool:
+        """Store a new saga; False if the migration already has one (a redelivery)."""
+        created = await self._r.set(
+            f"{self._p}:saga:{state.migration_id}", state.model_dump_json(), nx=True
+        )
+        if not created:
+            return False
+        pipe = self._r.pipeline(transaction=True)
+        pipe.sadd(f"{self._p}:sagas:active", state.migration_id)
+        pipe.sadd(f"{self._p}:sagas:job:{state.job_id}", state.migration_id)
+        pipe.zadd(f"{self._p}:sagas", {state.migration_id: state.created_at.timestamp()})
+        await pipe.execute()
+        return True
+
+    async def save(self, state: SagaState) -> None:
+        """Persist a saga's new state (before the runner acts on it)."""
+        await self._r.set(f"{self._p}:saga:{state.migration_id}", state.model_dump_json())
+
+    async def load(self, migration_id: str) -> SagaState | None:
+        raw = await self._r.get(f"{self._p}:saga:{migration_id}")
+        return None if raw is None else SagaState.model_validate_json(raw)
+
+    async def finish(self, state: SagaState) -> None:
+        """A done saga leaves the active set and hands the job lock back."""
+        await self.unlock_job(state.job_id, state.migration_id)
+        await self._r.srem(f"{self._p}:sagas:active", state.migration_id)
+
+    async def active(self) -> list[str]:
+        return sorted(_text(x) for x in await self._r.smembers(f"{self._p}:sagas:active"))
+
+    async def of_job(self, job_id: str) -> list[str]:
+        return sorted(_text(x) for x in await self._r.smembers(f"{self._p}:sagas:job:{job_id}"))
+
+    async def all_ids(self) -> list[str]:
+        """Every saga id, newest first."""
+        return [_text(x) for x in await self._r.zrevrange(f"{self._p}:sagas", 0, -1)]
+
+    async def lock_job(self, job_id: str, migration_id: str) -> bool:
+        """Take the job's migration lock (re-entrant for the saga holding it)."""
+        key = f"{self._p}:joblock:{job_id}"
+        if await self._r.set(key, migration_id, nx=True):
+            return True
+        holder = await self._r.get(key)
+        return holder is not None and _text(holder) == migration_id
+
+    async def unlock_job(self, job_id: str, migration_id: str) -> None:
+        await self._r.eval(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+            "return redis.call('DEL', KEYS[1]) end return 0",
+            1,
+            f"{self._p}:joblock:{job_id}",
+            migration_id,
+        )
+
+    async def job_lock_holder(self, job_id: str) -> str | None:
+        raw = await self._r.get(f"{self._p}:joblock:{job_id}")
+        return None if raw is None else _text(raw)
+
+    async def remember_request(self, request: MigrationRequested) -> None:
+        """Keep the request a saga came from (for the saga RPC and post-mortems)."""
+        await self._r.set(
+            f"{self._p}:request:{request.migration_id}", request.model_dump_json(), nx=True
+        )
+
+    # ------------------------------------------------------------------ jobs
+
+    async def put_job(self, job: JobRegistered) -> None:
+        await self._r.set(f"{self._p}:jobs:{job.job_id}", job.model_dump_json())
+
+    async def job(self, job_id: str) -> JobRegistered | None:
+        raw = await self._r.get(f"{self._p}:jobs:{job_id}")
+        return None if raw is None else JobRegistered.model_validate_json(raw)
+
+    async def mark_finished(self, job_id: str, outcome: str) -> None:
+        await self._r.set(f"{self._p}:finished:{job_id}", outcome)
+
+    async def finished(self, job_id: str) -> bool:
+        return bool(await self._r.exists(f"{self._p}:finished:{job_id}"))
+
+    async def mark_running(self, job_id: str) -> None:
+        await self._r.set(f"{self._p}:running:{job_id}", "1")
+
+    # ------------------------------------------------------------------ reports
+
+    async def add_joined(self, report: AgentReport) -> None:
+        await self._r.hset(
+            f"{self._p}:joined:{report.job_id}", report.member_id, report.model_dump_json()
+        )
+
+    async def joined(self, job_id: str) -> dict[str, AgentReport]:
+        raw = await self._r.hgetall(f"{self._p}:joined:{job_id}")
+        return {_text(k): AgentReport.model_validate_json(v) for k, v in raw.items()}
+
+    async def has_joined(self, job_id: str, member_id: str) -> bool:
+        return bool(await self._r.hexists(f"{self._p}:joined:{job_id}", member_id))
+
+    async def add_resumed(self, report: AgentReport) -> None:
+        body = {
+            "rank": report.rank,
+            "step": report.step,
+            "stall_ms": report.stall_ms,
+            "lost_steps": report.lost_steps,
+            "bytes_received": report.bytes_received,
+        }
+        await self._r.hset(
+            f"{self._p}:resumed:{report.job_id}:{report.generation}",
+            report.member_id,
+            json.dumps(body),
+        )
+
+    async def resumed(self, job_id: str, generation: int) -> dict[str, dict[str, Any]]:
+        raw = await self._r.hgetall(f"{self._p}:resumed:{job_id}:{generation}")
+        return {_text(k): dict(json.loads(v)) for k, v in raw.items()}

@@ -1,0 +1,162 @@
+"""Incidents in Redis: one per (fault, job, rank), duplicates folded into the open one.
+
+Keys under ``tr:scheduler``: ``incident:<id>`` (the record), ``incidents`` and
+``incidents:job:<job>`` (sorted by detection time), ``fault:<fault_id>:<job>:<rank>`` (which
+incident a fault went to, so a redelivered fault is a no-op), ``open:<job>:<member>`` (the
+open incident of a member, so a second fault on it folds in) and ``migration:<id>``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from torchrelay.contract import Incident, MigrationMode, Resolution
+
+# Opens an incident only if neither this fault nor another open one already covers the
+# member: one atomic step, so two deliveries racing cannot both open one.
+_OPEN_SCRIPT = """
+local by_fault = redis.call('GET', KEYS[1])
+if by_fault then return {'fault', by_fault} end
+local open = redis.call('GET', KEYS[2])
+if open then
+  redis.call('SET', KEYS[1], open)
+  return {'folded', open}
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[3], ARGV[1])
+return {'opened', ARGV[1]}
+"""
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class IncidentStore:
+    """The scheduler's incidents; each record holds the Incident plus its migration."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+        self._r = redis
+        self._p = prefix
+
+    def _key(self, incident_id: str) -> str:
+        return f"{self._p}:incident:{incident_id}"
+
+    async def open(
+        self, incident: Incident, member_id: str, extra: dict[str, Any]
+    ) -> tuple[str, str]:
+        """Open ``incident`` for ``member_id`` unless the fault or the member already has one.
+
+        Returns:
+            ("opened" | "folded" | "fault", incident_id): ``folded`` means another fault on
+            the member went into its open incident; ``fault`` that this fault was seen.
+        """
+        assert incident.fault_id is not None
+        record = {
+            "incident": incident.model_dump(mode="json"),
+            "member_id": member_id,
+            "folded_faults": [],
+            **extra,
+        }
+        outcome, incident_id = await self._r.eval(
+            _OPEN_SCRIPT,
+            5,
+            f"{self._p}:fault:{incident.fault_id}:{incident.job_id}:{incident.rank}",
+            f"{self._p}:open:{incident.job_id}:{member_id}",
+            self._key(incident.incident_id),
+            f"{self._p}:incidents",
+            f"{self._p}:incidents:job:{incident.job_id}",
+            incident.incident_id,
+            json.dumps(record),
+            str(incident.detected_at.timestamp() * 1000.0),
+        )
+        outcome, incident_id = _text(outcome), _text(incident_id)
+        if outcome == "folded":
+            await self._fold(incident_id, incident.fault_id, incident.fault_kind.value)
+        return outcome, incident_id
+
+    async def _fold(self, incident_id: str, fault_id: str, kind: str) -> None:
+        record = await self.record(incident_id)
+        if record is None:
+            return
+        if fault_id not in [f["fault_id"] for f in record["folded_faults"]]:
+            record["folded_faults"].append({"fault_id": fault_id, "kind": kind})
+            await self._r.set(self._key(incident_id), json.dumps(record))
+
+    async def record(self, incident_id: str) -> dict[str, Any] | None:
+        """The stored record (incident, member, mode, migration id, folded faults)."""
+        raw = await self._r.get(self._key(incident_id))
+        return None if raw is None else dict(json.loads(raw))
+
+    async def get(self, incident_id: str) -> Incident | None:
+        record = await self.record(incident_id)
+        return None if record is None else Incident.model_validate(record["incident"])
+
+    async def set_migration(self, incident_id: str, migration_id: str, mode: MigrationMode) -> None:
+        """Remember the migration an incident started, to close it on the result."""
+        record = await self.record(incident_id)
+        if record is None:
+            return
+        record["migration_id"] = migration_id
+        record["mode"] = mode.value
+        pipe = self._r.pipeline(transaction=True)
+        pipe.set(self._key(incident_id), json.dumps(record))
+        pipe.set(f"{self._p}:migration:{migration_id}", incident_id)
+        await pipe.execute()
+
+    async def close(self, closed: Incident) -> bool:
+        """Store the closed incident; False if it was already closed (nothing changes)."""
+        record = await self.record(closed.incident_id)
+        if record is None:
+            return False
+        current = Incident.model_validate(record["incident"])
+        if current.resolution != Resolution.OPEN:
+            return False
+        record["incident"] = closed.model_dump(mode="json")
+        pipe = self._r.pipeline(transaction=True)
+        pipe.set(self._key(closed.incident_id), json.dumps(record))
+        member = record.get("member_id")
+        if member:
+            # Only drop the member's open pointer if it still points at this incident.
+            pipe.eval(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                "return redis.call('DEL', KEYS[1]) end return 0",
+                1,
+                f"{self._p}:open:{closed.job_id}:{member}",
+                closed.incident_id,
+            )
+        await pipe.execute()
+        return True
+
+    async def query(
+        self,
+        *,
+        job_id: str | None = None,
+        tenant: str | None = None,
+        resolution: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> list[Incident]:
+        """Incidents matching every given filter, newest detection first."""
+        key = f"{self._p}:incidents:job:{job_id}" if job_id else f"{self._p}:incidents"
+        lo = "-inf" if since is None else str(since.timestamp() * 1000.0)
+        hi = "+inf" if until is None else str(until.timestamp() * 1000.0)
+        ids = [_text(x) for x in await self._r.zrevrangebyscore(key, hi, lo)]
+        out: list[Incident] = []
+        for incident_id in ids:
+            inc = await self.get(incident_id)
+            if inc is None:
+                continue
+            if tenant is not None and inc.tenant != tenant:
+                continue
+            if resolution is not None and inc.resolution.value != resolution:
+                continue
+            out.append(inc)
+        return out

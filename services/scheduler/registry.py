@@ -1,0 +1,280 @@
+"""The scheduler's job registry in Redis: jobs, the placement of every rank per generation,
+committed steps and each job's timeline. Only the scheduler writes under ``tr:scheduler``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from torchrelay.contract import GenerationChanged, JobFinished, JobRegistered, Role
+
+from .rules import RankPlacement
+
+# Keeps the highest committed step: heartbeats arrive out of order across agents.
+_MAX_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or tonumber(cur) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+FINISHED_STATES = ("succeeded", "failed", "cancelled")
+
+
+def _ms(at: datetime) -> float:
+    return at.timestamp() * 1000.0
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class JobRegistry:
+    """Jobs and placements under ``<prefix>:job:*``."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+        self._r = redis
+        self._p = prefix
+
+    # ------------------------------------------------------------------ writes
+
+    async def register(self, event: JobRegistered) -> dict[str, Any]:
+        """Record a job; a redelivered registration keeps what later events added."""
+        existing = await self.get(event.job_id)
+        if existing is not None:
+            return existing
+        workers = [m for m in event.members if m.role == Role.WORKER]
+        job: dict[str, Any] = {
+            "job_id": event.job_id,
+            "tenant": event.tenant,
+            "cluster": event.cluster,
+            "world_size": event.world_size,
+            "spares": event.spares,
+            "policy": event.policy.value,
+            "wait_timeout_s": event.wait_timeout_s,
+            "allow_shrink": event.allow_shrink,
+            "launcher_id": event.launcher_id,
+            "members": [m.model_dump(mode="json") for m in event.members],
+            "state": "starting",
+            "generation": 0,
+            # Until generation 1 is formed, ranks follow the protocol's planned order.
+            "ranks": [
+                {"rank": i, "member_id": m.member_id, "node": m.node, "gpu": m.gpu, "pid": m.pid}
+                for i, m in enumerate(workers[: event.world_size])
+            ],
+            "registered_at": event.occurred_at.isoformat(),
+            "finished_at": None,
+            "outcome": None,
+        }
+        pipe = self._r.pipeline(transaction=True)
+        pipe.set(self._key(event.job_id), json.dumps(job))
+        pipe.zadd(f"{self._p}:jobs", {event.job_id: _ms(event.occurred_at)})
+        pipe.sadd(f"{self._p}:jobs:active", event.job_id)
+        await pipe.execute()
+        await self.add_timeline(
+            event.job_id,
+            event.occurred_at,
+            {
+                "type": "job_registered",
+                "world_size": event.world_size,
+                "spares": event.spares,
+                "policy": event.policy.value,
+            },
+        )
+        return job
+
+    async def apply_generation(self, event: GenerationChanged) -> dict[str, Any] | None:
+        """Move the job's placements to a newer generation (older ones are only kept)."""
+        job = await self.get(event.job_id)
+        ranks = [
+            {"rank": a.rank, "member_id": a.member_id, "node": a.node, "gpu": a.gpu, "pid": None}
+            for a in event.ranks
+        ]
+        await self._r.hset(
+            f"{self._p}:gens:{event.job_id}",
+            str(event.generation),
+            json.dumps(
+                {
+                    "generation": event.generation,
+                    "ranks": ranks,
+                    "reason": event.reason,
+                    "migration_id": event.migration_id,
+                    "at": event.occurred_at.isoformat(),
+                }
+            ),
+        )
+        await self.add_timeline(
+            event.job_id,
+            event.occurred_at,
+            {
+                "type": "generation",
+                "generation": event.generation,
+                "previous": event.previous,
+                "reason": event.reason,
+                "migration_id": event.migration_id,
+                "ranks": [
+                    {
+                        "rank": r["rank"],
+                        "member_id": r["member_id"],
+                        "node": r["node"],
+                        "gpu": r["gpu"],
+                    }
+                    for r in ranks
+                ],
+            },
+        )
+        if job is None or event.generation <= int(job["generation"]):
+            return job
+        pids = {m["member_id"]: m.get("pid") for m in job.get("members", [])}
+        for r in ranks:
+            r["pid"] = pids.get(r["member_id"])
+        job["generation"] = event.generation
+        job["ranks"] = ranks
+        job["world_size"] = len(ranks)
+        if job["state"] not in FINISHED_STATES:
+            job["state"] = "running"
+        await self._r.set(self._key(event.job_id), json.dumps(job))
+        return job
+
+    async def finish(self, event: JobFinished) -> None:
+        """Mark a job finished: it no longer has placements a fault could hurt."""
+        job = await self.get(event.job_id)
+        if job is not None:
+            job["state"] = event.outcome
+            job["outcome"] = event.outcome
+            job["finished_at"] = event.occurred_at.isoformat()
+            await self._r.set(self._key(event.job_id), json.dumps(job))
+        if event.committed_step is not None:
+            await self.record_step(event.job_id, event.committed_step)
+        await self._r.srem(f"{self._p}:jobs:active", event.job_id)
+        await self.add_timeline(
+            event.job_id,
+            event.occurred_at,
+            {"type": "job_finished", "outcome": event.outcome, "exit_code": event.exit_code},
+        )
+
+    async def record_step(self, job_id: str, step: int) -> None:
+        """Keep the highest committed step seen for the job."""
+        await self._r.eval(
+            _MAX_SCRIPT,
+            1,
+            f"{self._p}:step:{job_id}",
+            str(step),
+        )
+
+    async def record_pids(self, job_id: str, pids: dict[str, int]) -> None:
+        """Fill in process ids learnt from heartbeats (members spawned after registration)."""
+        job = await self.get(job_id)
+        if job is None:
+            return
+        changed = False
+        known = {m["member_id"]: m for m in job["members"]}
+        for member_id, pid in pids.items():
+            m = known.get(member_id)
+            if m is not None and m.get("pid") != pid:
+                m["pid"] = pid
+                changed = True
+            elif m is None:
+                job["members"].append(
+                    {"member_id": member_id, "role": "spare", "pid": pid, "node": None, "gpu": None}
+                )
+                changed = True
+            for r in job["ranks"]:
+                if r["member_id"] == member_id and r.get("pid") != pid:
+                    r["pid"] = pid
+                    changed = True
+        if changed:
+            await self._r.set(self._key(job_id), json.dumps(job))
+
+    async def add_timeline(self, job_id: str, at: datetime, entry: dict[str, Any]) -> None:
+        """Append to the job's timeline; the same entry twice (a redelivery) is stored once."""
+        body = json.dumps({"at": at.isoformat(), **entry}, sort_keys=True)
+        await self._r.zadd(f"{self._p}:timeline:{job_id}", {body: _ms(at)})
+
+    # ------------------------------------------------------------------ reads
+
+    def _key(self, job_id: str) -> str:
+        return f"{self._p}:job:{job_id}"
+
+    async def get(self, job_id: str) -> dict[str, Any] | None:
+        """The stored job record, or None."""
+        raw = await self._r.get(self._key(job_id))
+        return None if raw is None else dict(json.loads(raw))
+
+    async def committed_step(self, job_id: str) -> int | None:
+        raw = await self._r.get(f"{self._p}:step:{job_id}")
+        return None if raw is None else int(raw)
+
+    async def view(self, job_id: str) -> dict[str, Any] | None:
+        """The job as INTERFACES.md shows it."""
+        job = await self.get(job_id)
+        if job is None:
+            return None
+        return {
+            "job_id": job["job_id"],
+            "tenant": job["tenant"],
+            "cluster": job["cluster"],
+            "world_size": job["world_size"],
+            "spares": job["spares"],
+            "generation": job["generation"],
+            "committed_step": await self.committed_step(job_id),
+            "state": job["state"],
+            "policy": job["policy"],
+            "ranks": [
+                {
+                    "rank": r["rank"],
+                    "node": r["node"],
+                    "gpu": r["gpu"],
+                    "pid": r.get("pid"),
+                    "member_id": r["member_id"],
+                }
+                for r in job["ranks"]
+            ],
+            "registered_at": job["registered_at"],
+            "finished_at": job["finished_at"],
+        }
+
+    async def list_ids(self) -> list[str]:
+        """Every job id, newest registration first."""
+        raw = await self._r.zrevrange(f"{self._p}:jobs", 0, -1)
+        return [_text(x) for x in raw]
+
+    async def active_placements(self) -> list[RankPlacement]:
+        """Where every rank of every unfinished job runs now."""
+        ids = sorted(_text(x) for x in await self._r.smembers(f"{self._p}:jobs:active"))
+        out: list[RankPlacement] = []
+        for job_id in ids:
+            job = await self.get(job_id)
+            if job is None or job["state"] in FINISHED_STATES:
+                continue
+            out.extend(
+                RankPlacement(
+                    job_id=job_id,
+                    tenant=job["tenant"],
+                    cluster=job["cluster"],
+                    rank=int(r["rank"]),
+                    member_id=r["member_id"],
+                    node=r["node"],
+                    gpu=int(r["gpu"]),
+                    generation=int(job["generation"]),
+                )
+                for r in job["ranks"]
+            )
+        return out
+
+    async def generations(self, job_id: str) -> list[dict[str, Any]]:
+        """Every generation of the job seen so far, oldest first."""
+        raw = await self._r.hgetall(f"{self._p}:gens:{job_id}")
+        gens = [json.loads(v) for v in raw.values()]
+        return sorted(gens, key=lambda g: int(g["generation"]))
+
+    async def timeline(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's events in time order."""
+        raw = await self._r.zrange(f"{self._p}:timeline:{job_id}", 0, -1)
+        return [json.loads(_text(x)) for x in raw]

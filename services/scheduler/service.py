@@ -1,0 +1,456 @@
+"""The scheduler service: faults become incidents and decisions, migrations close them.
+
+Consumes the ``scheduler`` durable consumer (faults, job registrations and finishes, drains,
+generations, migration results) and the core-NATS heartbeats (committed steps, in the
+``scheduler`` queue group); answers the ``tr.rpc.scheduler.*`` verbs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from datetime import datetime
+from typing import Any
+
+from nats.aio.msg import Msg
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from torchrelay.bus import Delivery, NotFound, PermanentError
+from torchrelay.contract import (
+    DrainRequested,
+    Event,
+    FaultAction,
+    FaultDetected,
+    FaultKind,
+    GenerationChanged,
+    Heartbeat,
+    Incident,
+    IncidentClosed,
+    IncidentOpened,
+    JobFinished,
+    JobRegistered,
+    MigrationCompleted,
+    MigrationFailed,
+    MigrationRequested,
+    Name,
+    Resolution,
+    Severity,
+    Subjects,
+    Token,
+    make_event_id,
+    utcnow,
+)
+from torchrelay.service import ServiceContext
+
+from . import rules
+from .incidents import IncidentStore
+from .registry import JobRegistry
+
+SERVICE = "scheduler"
+HEARTBEAT_FLUSH_S = 1.0
+
+
+class _Page(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    limit: int = Field(default=100, ge=1, le=1000)
+    cursor: str | None = Field(default=None, pattern=r"^[0-9]+$")
+
+
+class JobListQuery(_Page):
+    tenant: Token | None = None
+
+
+class JobQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job_id: Token
+
+
+class IncidentQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    incident_id: str = Field(min_length=1, max_length=128)
+
+
+class IncidentListQuery(_Page):
+    job_id: Token | None = None
+    tenant: Token | None = None
+    resolution: Resolution | None = None
+    since: datetime | None = Field(default=None, alias="from")
+    until: datetime | None = Field(default=None, alias="to")
+
+
+class DrainCommand(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    node: Name
+    cluster: Name | None = None
+    reason: str = Field(default="planned maintenance", max_length=500)
+    requested_by: str = Field(default="operator", max_length=128)
+
+
+def _page(items: list[Any], query: _Page) -> dict[str, Any]:
+    start = int(query.cursor or 0)
+    end = start + query.limit
+    return {"items": items[start:end], "next_cursor": str(end) if end < len(items) else None}
+
+
+class Scheduler:
+    """Handlers and RPC verbs of the scheduler, over its Redis state."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.jobs = JobRegistry(ctx.redis, ctx.prefix)
+        self.incidents = IncidentStore(ctx.redis, ctx.prefix)
+        self._steps: dict[str, int] = {}
+        self._pids: dict[str, dict[str, int]] = {}
+
+    # ------------------------------------------------------------------ events
+
+    async def on_event(self, event: Event, delivery: Delivery) -> None:
+        """Dispatch one event of the ``scheduler`` consumer."""
+        del delivery
+        if isinstance(event, FaultDetected):
+            await self.on_fault(event)
+        elif isinstance(event, JobRegistered):
+            await self.jobs.register(event)
+        elif isinstance(event, JobFinished):
+            await self.jobs.finish(event)
+        elif isinstance(event, GenerationChanged):
+            await self.jobs.apply_generation(event)
+        elif isinstance(event, DrainRequested):
+            await self.on_drain(event)
+        elif isinstance(event, MigrationCompleted):
+            await self.on_completed(event)
+        elif isinstance(event, MigrationFailed):
+            await self.on_failed(event)
+        else:
+            raise PermanentError(f"scheduler does not handle {type(event).__name__}")
+
+    async def on_fault(self, fault: FaultDetected) -> None:
+        """Open one incident per hurt rank (or fold into the open one) and act on it."""
+        decision = rules.decide(fault.kind, fault.severity, fault.action)
+        hurt = rules.affected_ranks(fault, await self.jobs.active_placements())
+        if not hurt:
+            self.ctx.log.info(
+                "fault hurts no running rank",
+                extra={
+                    "fault_id": fault.fault_id,
+                    "kind": fault.kind.value,
+                    "node": fault.node,
+                    "job_id": fault.job_id,
+                    "member_id": fault.member_id,
+                },
+            )
+            return
+        for placement in hurt:
+            incident = rules.open_incident(fault, placement)
+            outcome, incident_id = await self.incidents.open(
+                incident, placement.member_id, {"decision": decision.value}
+            )
+            if outcome == "folded":
+                self.ctx.log.info(
+                    "fault folded into open incident",
+                    extra={"fault_id": fault.fault_id, "incident_id": incident_id},
+                )
+                continue
+            # "opened", or "fault" (a redelivery after a crash): drive the incident's
+            # effects again; every publish below has a deterministic id.
+            await self._drive(incident_id, fault)
+
+    async def _drive(self, incident_id: str, fault: FaultDetected) -> None:
+        record = await self.incidents.record(incident_id)
+        if record is None:
+            return
+        incident = Incident.model_validate(record["incident"])
+        decision = rules.Decision(record["decision"])
+        await self.ctx.bus.publish(
+            IncidentOpened(
+                event_id=make_event_id("incident_opened", incident_id),
+                source=SERVICE,
+                incident=incident,
+                occurred_at=fault.occurred_at,
+            ),
+            Subjects.INCIDENT_OPENED,
+        )
+        await self.jobs.add_timeline(
+            incident.job_id,
+            fault.occurred_at,
+            {
+                "type": "incident_opened",
+                "incident_id": incident_id,
+                "rank": incident.rank,
+                "fault_kind": incident.fault_kind.value,
+                "decision": decision.value,
+            },
+        )
+        if incident.resolution != Resolution.OPEN:
+            await self._publish_closed(incident_id)
+            return
+        if decision == rules.Decision.RECORD:
+            await self._close(rules.close_recorded(incident, fault.occurred_at))
+            return
+        if not incident.generation_before:
+            # The job has not formed its first generation: there is nothing to migrate into.
+            await self._close(rules.close_unplaced(incident, fault.occurred_at))
+            return
+        mode = rules.migration_mode(decision)
+        migration_id = rules.migration_id_for(incident_id)
+        await self.incidents.set_migration(incident_id, migration_id, mode)
+        assert incident.rank is not None
+        assert incident.gpu is not None
+        request = MigrationRequested(
+            event_id=make_event_id("migration_requested", migration_id),
+            source=SERVICE,
+            occurred_at=fault.occurred_at,
+            migration_id=migration_id,
+            incident_id=incident_id,
+            job_id=incident.job_id,
+            tenant=incident.tenant,
+            rank=incident.rank,
+            member_id=record["member_id"],
+            node=incident.node,
+            gpu=incident.gpu,
+            mode=mode,
+            fault_kind=incident.fault_kind,
+            generation_before=incident.generation_before,
+        )
+        await self.ctx.bus.publish(request, Subjects.MIGRATION_REQUESTED)
+        await self.jobs.add_timeline(
+            incident.job_id,
+            fault.occurred_at,
+            {
+                "type": "migration_requested",
+                "migration_id": migration_id,
+                "incident_id": incident_id,
+                "rank": incident.rank,
+                "mode": mode.value,
+            },
+        )
+
+    async def _close(self, closed: Incident) -> None:
+        await self.incidents.close(closed)
+        await self._publish_closed(closed.incident_id)
+
+    async def _publish_closed(self, incident_id: str) -> None:
+        """Publish the stored closed incident (the same content on every retry)."""
+        incident = await self.incidents.get(incident_id)
+        if incident is None or incident.resolution == Resolution.OPEN:
+            return
+        at = incident.resolved_at or utcnow()
+        await self.ctx.bus.publish(
+            IncidentClosed(
+                event_id=make_event_id("incident_closed", incident_id),
+                source=SERVICE,
+                incident=incident,
+                occurred_at=at,
+            ),
+            Subjects.INCIDENT_CLOSED,
+        )
+        await self.jobs.add_timeline(
+            incident.job_id,
+            at,
+            {
+                "type": "incident_closed",
+                "incident_id": incident_id,
+                "resolution": incident.resolution.value,
+                "stall_ms": incident.stall_ms,
+                "lost_steps": incident.lost_steps,
+            },
+        )
+
+    async def on_drain(self, drain: DrainRequested) -> None:
+        """Planned maintenance: one proactive migration per rank on the node."""
+        fault = FaultDetected(
+            event_id=make_event_id("drain_fault", drain.event_id),
+            source=SERVICE,
+            occurred_at=drain.occurred_at,
+            first_seen_at=drain.occurred_at,
+            fault_id=make_event_id("drain", drain.event_id),
+            cluster=drain.cluster,
+            node=drain.node,
+            kind=FaultKind.PLANNED_DRAIN,
+            severity=Severity.INFO,
+            action=FaultAction.MIGRATE_AT_BOUNDARY,
+            evidence={"requested_by": drain.requested_by, "reason": drain.reason},
+        )
+        await self.on_fault(fault)
+
+    async def on_completed(self, done: MigrationCompleted) -> None:
+        await self.jobs.add_timeline(
+            done.job_id,
+            done.occurred_at,
+            {
+                "type": "migration_completed",
+                "migration_id": done.migration_id,
+                "incident_id": done.incident_id,
+                "rank": done.rank,
+                "to_node": done.to_node,
+                "to_gpu": done.to_gpu,
+                "generation_after": done.generation_after,
+                "stall_ms": done.stall_ms,
+                "lost_steps": done.lost_steps,
+            },
+        )
+        incident = await self.incidents.get(done.incident_id)
+        if incident is None:
+            raise PermanentError(
+                f"migration {done.migration_id} names unknown incident {done.incident_id}"
+            )
+        if incident.resolution == Resolution.OPEN:
+            await self.incidents.close(rules.close_completed(incident, done))
+        await self._publish_closed(done.incident_id)
+
+    async def on_failed(self, failed: MigrationFailed) -> None:
+        await self.jobs.add_timeline(
+            failed.job_id,
+            failed.occurred_at,
+            {
+                "type": "migration_failed",
+                "migration_id": failed.migration_id,
+                "incident_id": failed.incident_id,
+                "reason": failed.reason,
+                "fallback": failed.fallback.value,
+            },
+        )
+        incident = await self.incidents.get(failed.incident_id)
+        if incident is None:
+            raise PermanentError(
+                f"migration {failed.migration_id} names unknown incident {failed.incident_id}"
+            )
+        if incident.resolution == Resolution.OPEN:
+            after = None
+            if failed.fallback == Resolution.SHRUNK:
+                job = await self.jobs.get(failed.job_id)
+                after = int(job["generation"]) if job else None
+            await self.incidents.close(rules.close_failed(incident, failed, after))
+        await self._publish_closed(failed.incident_id)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        """Keep the highest committed step per job in memory; a task flushes it."""
+        try:
+            beat = Heartbeat.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        if beat.step >= 0 and beat.step > self._steps.get(beat.job_id, -1):
+            self._steps[beat.job_id] = beat.step
+        self._pids.setdefault(beat.job_id, {})[beat.member_id] = beat.pid
+
+    async def flush_heartbeats(self) -> None:
+        """Write the throttled committed steps and process ids to Redis."""
+        steps, self._steps = self._steps, {}
+        pids, self._pids = self._pids, {}
+        for job_id, step in steps.items():
+            await self.jobs.record_step(job_id, step)
+        for job_id, members in pids.items():
+            await self.jobs.record_pids(job_id, members)
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_FLUSH_S)
+            try:
+                await self.flush_heartbeats()
+            except Exception:
+                self.ctx.log.exception("heartbeat flush failed; retrying")
+
+    # ------------------------------------------------------------------ rpc
+
+    async def job_list(self, body: dict[str, Any]) -> dict[str, Any]:
+        query = JobListQuery.model_validate(body)
+        items = []
+        for job_id in await self.jobs.list_ids():
+            view = await self.jobs.view(job_id)
+            if view is None or (query.tenant is not None and view["tenant"] != query.tenant):
+                continue
+            items.append(view)
+        return _page(items, query)
+
+    async def job_get(self, body: dict[str, Any]) -> dict[str, Any]:
+        query = JobQuery.model_validate(body)
+        view = await self.jobs.view(query.job_id)
+        if view is None:
+            raise NotFound(f"job {query.job_id} is not registered", "job_id")
+        return view
+
+    async def job_timeline(self, body: dict[str, Any]) -> dict[str, Any]:
+        query = JobQuery.model_validate(body)
+        view = await self.jobs.view(query.job_id)
+        if view is None:
+            raise NotFound(f"job {query.job_id} is not registered", "job_id")
+        events = await self.jobs.timeline(query.job_id)
+        incidents = await self.incidents.query(job_id=query.job_id)
+        return {
+            "job_id": query.job_id,
+            "tenant": view["tenant"],
+            "events": events,
+            "generations": await self.jobs.generations(query.job_id),
+            "incidents": [i.model_dump(mode="json") for i in reversed(incidents)],
+            "migrations": [e for e in events if e["type"].startswith("migration_")],
+        }
+
+    async def incident_list(self, body: dict[str, Any]) -> dict[str, Any]:
+        query = IncidentListQuery.model_validate(body)
+        found = await self.incidents.query(
+            job_id=query.job_id,
+            tenant=query.tenant,
+            resolution=query.resolution.value if query.resolution else None,
+            since=query.since,
+            until=query.until,
+        )
+        return _page([i.model_dump(mode="json") for i in found], query)
+
+    async def incident_get(self, body: dict[str, Any]) -> dict[str, Any]:
+        query = IncidentQuery.model_validate(body)
+        record = await self.incidents.record(query.incident_id)
+        if record is None:
+            raise NotFound(f"incident {query.incident_id} does not exist", "incident_id")
+        return {
+            **record["incident"],
+            "member_id": record.get("member_id"),
+            "migration_id": record.get("migration_id"),
+            "mode": record.get("mode"),
+            "decision": record.get("decision"),
+            "folded_faults": record.get("folded_faults", []),
+        }
+
+    async def drain(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Ask for every rank on a node to move at its next step boundary."""
+        command = DrainCommand.model_validate(body)
+        cluster = command.cluster or self.ctx.settings.cluster
+        drain = DrainRequested(
+            event_id=make_event_id("drain", cluster, command.node, uuid.uuid4().hex),
+            source=SERVICE,
+            cluster=cluster,
+            node=command.node,
+            requested_by=command.requested_by,
+            reason=command.reason,
+        )
+        ranks = [
+            {"job_id": p.job_id, "rank": p.rank, "member_id": p.member_id, "gpu": p.gpu}
+            for p in await self.jobs.active_placements()
+            if p.cluster == cluster and p.node == command.node
+        ]
+        await self.ctx.bus.publish(drain, Subjects.DRAIN_REQUESTED)
+        return {
+            "drain_id": drain.event_id,
+            "cluster": cluster,
+            "node": command.node,
+            "ranks": ranks,
+        }
+
+
+async def setup(ctx: ServiceContext) -> None:
+    """Register the scheduler's consumer, heartbeat subscription and RPC verbs."""
+    scheduler = Scheduler(ctx)
+    await ctx.consume("scheduler", scheduler.on_event)
+    await ctx.bus.subscribe_core(Subjects.HEARTBEATS_ALL, scheduler.on_heartbeat, queue="scheduler")
+    ctx.spawn(scheduler.heartbeat_loop(), "heartbeat-flush")
+
+    async def _final_flush() -> None:
+        with contextlib.suppress(Exception):
+            await scheduler.flush_heartbeats()
+
+    ctx.closers.append(_final_flush)
+    for verb in ("job_list", "job_get", "job_timeline", "incident_list", "incident_get", "drain"):
+        await ctx.serve(verb, getattr(scheduler, verb))
+    ctx.readiness["consumer"] = "scheduler"
