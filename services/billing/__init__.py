@@ -1,0 +1,16 @@
+"""Billing: the failure ledger, the guarantee, credits and the FOCUS export (DESIGN.md §8)."""
+
+from .ledger import AppendResult, CloseResult, Ledger
+from .rules import EntryClass, Tally, classify, credit_minor, evaluate, meets
+
+__all__ = [
+    "AppendResult",
+    "CloseResult",
+    "EntryClass",
+    "Ledger",
+    "Tally",
+    "classify",
+    "credit_minor",
+    "evaluate",
+    "meets",
+]
