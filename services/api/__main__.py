@@ -1,0 +1,112 @@
+"""``python -m services.api``: the portal API process.
+
+Connects to Redis (the token store, prefix ``tr:api``) and NATS first, so a bad
+``REDIS_URL``/``NATS_URL`` exits non-zero with a message naming it, then serves the app with
+uvicorn on ``TORCHRELAY_HTTP_HOST``/``TORCHRELAY_HTTP_PORT`` (0 picks a free port; the bound
+port is printed and logged as ``ready``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import uvicorn
+
+from services.api.app import create_app
+from services.api.settings import ApiSettings
+from torchrelay.bus import Bus, BusError
+from torchrelay.observability import configure_logging, configure_tracing
+from torchrelay.service import EXIT_CONFIG, EXIT_UNAVAILABLE, connect_redis
+from torchrelay.settings import SettingsError, load_settings
+
+
+async def serve(
+    settings: ApiSettings,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
+    """Run the API until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    log = configure_logging("api", settings.log_level, settings.log_json)
+    provider = configure_tracing("api", settings.otlp_endpoint)
+    redis = await connect_redis(settings.redis_url, settings.connect_timeout_s)
+    try:
+        creds = str(settings.nats_credentials) if settings.nats_credentials else None
+        bus = await Bus.connect(
+            settings.nats_url, "api", credentials=creds, timeout=settings.connect_timeout_s
+        )
+    except BaseException:
+        await redis.aclose()
+        raise
+    app = create_app(settings, bus=bus, redis=redis)
+    app.state.api.bus.metrics = app.state.api.metrics
+    config = uvicorn.Config(
+        app,
+        host=settings.http_host,
+        port=settings.http_port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    watcher: asyncio.Task[None] | None = None
+    try:
+        while not server.started:
+            if task.done():
+                await task
+                raise BusError(
+                    f"the API could not listen on {settings.http_host}:"
+                    f"{settings.http_port}; set TORCHRELAY_HTTP_PORT to a free port"
+                )
+            await asyncio.sleep(0.02)
+        port = int(server.servers[0].sockets[0].getsockname()[1])
+        url = f"http://{settings.http_host}:{port}"
+        log.info("ready", extra={"http_port": port, "api_url": url, "pid": os.getpid()})
+        print(json.dumps({"service": "api", "http_port": port, "api_url": url}), flush=True)
+        if on_ready is not None:
+            on_ready(port)
+        if stop is not None:
+
+            async def _watch() -> None:
+                await stop.wait()
+                server.should_exit = True
+
+            watcher = asyncio.create_task(_watch())
+        await task
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if not task.done():
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await task
+        await bus.close()
+        await redis.aclose()
+        provider.shutdown()
+
+
+def main() -> None:
+    """Entry point: exit 2 naming a bad setting, 3 naming an unreachable server."""
+    try:
+        settings = load_settings(ApiSettings)
+    except SettingsError as exc:
+        print(f"api: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from exc
+    try:
+        asyncio.run(serve(settings))
+    except SettingsError as exc:
+        print(f"api: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from exc
+    except BusError as exc:
+        print(f"api: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_UNAVAILABLE) from exc
+
+
+if __name__ == "__main__":
+    main()

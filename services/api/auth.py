@@ -1,0 +1,135 @@
+"""Bearer tokens: issued by an operator, shown once, stored only as an HMAC of the secret.
+
+Tokens are the API's own data, kept in Redis under ``tr:api``. A token is looked up by its
+HMAC-SHA256 under a server-side pepper, and the stored digest is compared in constant time,
+so neither the secret nor a timing side channel on it is exposed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX
+
+ScopeName = Literal["operator", "tenant"]
+TOKEN_PREFIX = "tr_"  # noqa: S105 - a prefix, not a secret
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request acts as: an operator (every tenant) or one tenant."""
+
+    scope: ScopeName
+    tenant: str | None
+    token_id: str
+
+    @property
+    def is_operator(self) -> bool:
+        return self.scope == "operator"
+
+    def sees(self, tenant: str | None) -> bool:
+        """Whether this principal may read an object of ``tenant``."""
+        return self.is_operator or (tenant is not None and tenant == self.tenant)
+
+
+def new_token(*, development: bool = False) -> str:
+    """A fresh random bearer token (256 bits); development tokens carry ``trdev_``."""
+    prefix = DEV_OPERATOR_TOKEN_PREFIX if development else TOKEN_PREFIX
+    return prefix + secrets.token_urlsafe(32)
+
+
+def token_digest(pepper: bytes, token: str) -> str:
+    """The stored form of a token: HMAC-SHA256 under the server's pepper, hex."""
+    return hmac.new(pepper, token.encode(), hashlib.sha256).hexdigest()
+
+
+class TokenStore:
+    """Issue and authenticate tokens; Redis holds only their digests."""
+
+    def __init__(
+        self, redis: Any, pepper: bytes, prefix: str = "tr:api", cache_s: float = 10.0
+    ) -> None:
+        self._redis = redis
+        self._pepper = pepper
+        self._prefix = prefix
+        self._cache_s = cache_s
+        self._cache: dict[str, tuple[Principal, float]] = {}
+
+    @classmethod
+    async def open(
+        cls, redis: Any, pepper: str | None, prefix: str = "tr:api", cache_s: float = 10.0
+    ) -> TokenStore:
+        """A store using ``pepper``, or the one kept in Redis (created once) when None."""
+        if pepper:
+            return cls(redis, pepper.encode(), prefix, cache_s)
+        key = f"{prefix}:pepper"
+        await redis.set(key, secrets.token_hex(32), nx=True)
+        stored = await redis.get(key)
+        value = stored.decode() if isinstance(stored, bytes) else str(stored)
+        return cls(redis, value.encode(), prefix, cache_s)
+
+    def _key(self, digest: str) -> str:
+        return f"{self._prefix}:token:{digest}"
+
+    async def store(self, token: str, scope: ScopeName, tenant: str | None = None) -> Principal:
+        """Keep the digest of ``token`` with its scope (idempotent: a restart re-stores it)."""
+        digest = token_digest(self._pepper, token)
+        principal = Principal(scope=scope, tenant=tenant, token_id=digest[:16])
+        await self._redis.hset(
+            self._key(digest),
+            mapping={
+                "digest": digest,
+                "scope": scope,
+                "tenant": tenant or "",
+                "token_id": principal.token_id,
+                "created_at": datetime.now(UTC).isoformat(),
+            },
+        )
+        return principal
+
+    async def issue(self, scope: ScopeName, tenant: str | None = None) -> tuple[str, Principal]:
+        """A new token and its principal; the caller shows the token once."""
+        token = new_token()
+        return token, await self.store(token, scope, tenant)
+
+    async def authenticate(self, token: str) -> Principal | None:
+        """The principal of ``token``, or None when it is unknown."""
+        if not token or len(token) > 512:
+            return None
+        digest = token_digest(self._pepper, token)
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        raw = await self._redis.hgetall(self._key(digest))
+        if not raw:
+            return None
+        record = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
+        if not hmac.compare_digest(record.get("digest", ""), digest):
+            return None
+        scope: ScopeName
+        if record.get("scope") == "operator":
+            scope = "operator"
+        elif record.get("scope") == "tenant":
+            scope = "tenant"
+        else:
+            return None
+        principal = Principal(
+            scope=scope,
+            tenant=record.get("tenant") or None,
+            token_id=record.get("token_id", digest[:16]),
+        )
+        if self._cache_s > 0:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[digest] = (principal, now + self._cache_s)
+        return principal

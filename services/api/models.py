@@ -1,0 +1,277 @@
+"""The portal API's request and response models (field names from INTERFACES.md).
+
+Requests are validated here before anything reaches a service; responses are parsed from the
+services' replies so a reply of the wrong shape becomes a 502 naming the service, never a
+half-valid document. Response models accept fields the services add later (forward
+compatibility) and pass them through.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+
+from torchrelay.contract import Contract, Guarantee, Incident, Name, SpareSlot, Token
+
+T = TypeVar("T")
+
+# Opaque pagination cursor: services choose the content, the API only bounds its shape.
+CURSOR_PATTERN = r"^[A-Za-z0-9_\-.:=+/]{1,256}$"
+PERIOD_PATTERN = r"^[0-9]{4}-(0[1-9]|1[0-2])$"
+# Money is integer minor units; bounded so every consumer can hold it in an int64.
+MAX_MINOR = 10**15
+
+Currency = Annotated[str, Field(pattern=r"^[A-Z]{3}$", examples=["USD"])]
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document; ``field`` names the offending input when there is one."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str = ""
+    instance: str | None = None
+    field: str | None = None
+    service: str | None = None
+    errors: list[dict[str, Any]] | None = None
+
+
+class Page(BaseModel, Generic[T]):
+    """One page of a list: pass ``next_cursor`` back as ``cursor`` for the next one."""
+
+    items: list[T]
+    next_cursor: str | None = None
+
+
+class Passthrough(BaseModel):
+    """Base of response models whose services may add fields: those are passed on."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+class TokenRequest(BaseModel):
+    """``POST /v1/tokens``: an operator token, or a tenant token bound to one tenant."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scope: Literal["operator", "tenant"]
+    tenant: Token | None = None
+
+    @model_validator(mode="after")
+    def _tenant_matches_scope(self) -> TokenRequest:
+        if self.scope == "tenant" and self.tenant is None:
+            raise ValueError("tenant is required for a tenant token")
+        if self.scope == "operator" and self.tenant is not None:
+            raise ValueError("tenant is only for tenant tokens; an operator sees every tenant")
+        return self
+
+
+class TokenIssued(BaseModel):
+    """The new token, shown once: only its hash is kept."""
+
+    token: str
+    token_id: str
+    scope: Literal["operator", "tenant"]
+    tenant: str | None = None
+
+
+# --------------------------------------------------------------------------- fleet
+
+
+class ClusterView(Passthrough):
+    """A cluster with its node and spare counts."""
+
+    cluster: str
+    nodes: int = 0
+    gpus: int = 0
+    unhealthy: int = 0
+    spares_available: int = 0
+    spare_domains: int = 0
+
+
+class NodeView(Passthrough):
+    """A node's health as the detector sees it."""
+
+    node: str
+    cluster: str
+    health: str
+    lemon_score: float = 0.0
+    state: str = ""
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class DrainRequest(BaseModel):
+    """``POST /v1/nodes/{node}/drain`` (the body is optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cluster: Name | None = None
+
+
+class DrainAccepted(BaseModel):
+    """The scheduler accepted the drain: ranks leave the node at their next step boundary."""
+
+    node: str
+    cluster: str | None = None
+    accepted: bool = True
+    result: Any = None
+
+
+class NodeReturned(BaseModel):
+    """The node is back in service (detector) and, if it holds spares, back in the pool."""
+
+    node: str
+    detector: Any = None
+    spare_pool: Any = None
+
+
+class SpareDepth(Passthrough):
+    """How many spares a domain has available against its floor."""
+
+    cluster: str
+    nvlink_domain: str
+    available: int
+    floor: int = 0
+
+
+class SpareRegistration(BaseModel):
+    """``POST /v1/spares``: one spare GPU slot (SpareSlot fields; ``slot_id`` optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slot_id: Name | None = None
+    cluster: Name = "local"
+    node: Name
+    gpu: int = Field(ge=0, le=1023)
+    gpu_model: Annotated[str, Field(min_length=1, max_length=128)] = "cpu-sim"
+    memory_mb: int = Field(default=0, ge=0, le=10**9)
+    nvlink_domain: Name = "default"
+    rack: Name = "default"
+    zone: Name = "default"
+
+    def to_slot(self) -> dict[str, Any]:
+        """The spare-pool ``register`` payload (a slot id derived from the place if absent)."""
+        data = self.model_dump(mode="json")
+        data["slot_id"] = self.slot_id or f"{self.cluster}.{self.node}.{self.gpu}"
+        return data
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+class RankView(Passthrough):
+    rank: int
+    node: str
+    gpu: int
+    pid: int | None = None
+
+
+class JobView(Passthrough):
+    """A job as the scheduler sees it."""
+
+    job_id: str
+    tenant: str
+    world_size: int
+    spares: int = 0
+    generation: int = 0
+    committed_step: int | None = None
+    state: str
+    ranks: list[RankView] = Field(default_factory=list)
+
+
+class TimelineEntry(Passthrough):
+    """One generation, incident or migration of a job, in order."""
+
+    kind: str
+    at: datetime | None = None
+
+
+class Timeline(BaseModel):
+    """A job's generations, incidents and migrations in the order they happened."""
+
+    job_id: str
+    items: list[TimelineEntry]
+
+
+# --------------------------------------------------------------------------- billing
+
+
+class ContractRequest(BaseModel):
+    """``POST /v1/contracts``: a contract without its id (money in minor units)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: Token
+    term_start: AwareDatetime
+    term_end: AwareDatetime
+    renewal_fee_minor: int = Field(ge=0, le=MAX_MINOR)
+    currency: Currency
+    threshold: float = Field(default=0.9, gt=0, le=1)
+    credit_rate: float = Field(default=0.25, ge=0, le=1)
+    count_proactive: bool = False
+
+    @model_validator(mode="after")
+    def _term_is_forward(self) -> ContractRequest:
+        if self.term_end <= self.term_start:
+            raise ValueError("term_end must be after term_start")
+        return self
+
+
+class CreditView(Passthrough):
+    """A credit issued for a term whose guarantee was missed."""
+
+    credit_id: str
+    contract_id: str
+    tenant: str
+    amount_minor: int
+    currency: str
+    term_start: datetime | None = None
+    term_end: datetime | None = None
+    eligible_failures: int | None = None
+    resolved_by_migration: int | None = None
+    ratio: float | None = None
+
+
+class LedgerVerification(Passthrough):
+    """The ledger's hash chain recomputed: ``first_bad`` names the first entry that differs."""
+
+    ok: bool
+    checked: int
+    first_bad: Any = None
+
+
+__all__ = [
+    "CURSOR_PATTERN",
+    "MAX_MINOR",
+    "PERIOD_PATTERN",
+    "ClusterView",
+    "Contract",
+    "ContractRequest",
+    "CreditView",
+    "DrainAccepted",
+    "DrainRequest",
+    "Guarantee",
+    "Incident",
+    "JobView",
+    "LedgerVerification",
+    "NodeReturned",
+    "NodeView",
+    "Page",
+    "Problem",
+    "RankView",
+    "SpareDepth",
+    "SpareRegistration",
+    "SpareSlot",
+    "Timeline",
+    "TimelineEntry",
+    "TokenIssued",
+    "TokenRequest",
+]
