@@ -1,0 +1,1 @@
+"""Unit tests of the benchmarks' pure parts (the goodput simulator's math)."""
