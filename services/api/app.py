@@ -35,12 +35,14 @@ from services.api.gateway import (
     invalid,
     items_of,
     not_found,
+    parse,
     parse_list,
     unauthorized,
 )
 from services.api.models import (
     CURSOR_PATTERN,
     PERIOD_PATTERN,
+    CloseTermResult,
     ClusterView,
     Contract,
     ContractRequest,
@@ -59,7 +61,6 @@ from services.api.models import (
     SpareRegistration,
     SpareSlot,
     Timeline,
-    TimelineEntry,
     TokenIssued,
     TokenRequest,
 )
@@ -150,17 +151,6 @@ def tenant_filter(principal: Principal, requested: str | None) -> tuple[str | No
     if requested is not None and requested != principal.tenant:
         return principal.tenant, False
     return principal.tenant, True
-
-
-def normalise_timeline(job_id: str, data: Any) -> dict[str, Any]:
-    """The scheduler's timeline as ``{job_id, items}`` (it may answer a list or an object)."""
-    if isinstance(data, list):
-        return {"job_id": job_id, "items": data}
-    if isinstance(data, dict):
-        for key in ("items", "entries", "events", "timeline"):
-            if isinstance(data.get(key), list):
-                return {"job_id": data.get("job_id", job_id), "items": data[key]}
-    return {"job_id": job_id, "items": data}
 
 
 # --------------------------------------------------------------------------- app state
@@ -371,13 +361,19 @@ def _add_routes(app: FastAPI) -> None:
         summary="planned maintenance: move every rank off the node at a step boundary",
     )
     async def drain_node(
-        gw: Gw, _: Operator, node: NodeName, body: Annotated[DrainRequest | None, Body()] = None
+        gw: Gw, who: Operator, node: NodeName, body: Annotated[DrainRequest | None, Body()] = None
     ) -> DrainAccepted:
         cluster = body.cluster if body else None
+        reason = body.reason if body else "planned maintenance"
         result = await gw.call(
             "scheduler",
             "drain",
-            {"node": node, "cluster": cluster},
+            {
+                "node": node,
+                "cluster": cluster,
+                "reason": reason,
+                "requested_by": f"operator:{who.token_id}",
+            },
             missing=not_found("node", node, "node"),
         )
         if isinstance(result, dict) and isinstance(result.get("cluster"), str):
@@ -519,16 +515,17 @@ def _add_routes(app: FastAPI) -> None:
     )
     async def job_timeline(gw: Gw, who: Who, job_id: JobId) -> Timeline:
         if not who.is_operator:
-            await _job(gw, who, job_id)
+            await _job(gw, who, job_id)  # the same 404 for another tenant's job
         data = await gw.call(
             "scheduler",
             "job_timeline",
             {"job_id": job_id},
             missing=not_found("job", job_id, "job_id"),
         )
-        shaped = normalise_timeline(job_id, data)
-        entries = parse_list(TimelineEntry, shaped["items"], "scheduler", "job_timeline")
-        return Timeline(job_id=str(shaped["job_id"]), items=entries)
+        timeline = parse(Timeline, data, "scheduler", "job_timeline")
+        if not who.sees(timeline.tenant):
+            raise not_found("job", job_id, "job_id")
+        return timeline
 
     # ----------------------------------------------------------------- incidents
 
@@ -647,26 +644,33 @@ def _add_routes(app: FastAPI) -> None:
         response_model=Guarantee,
         summary="the guarantee for the current term",
     )
-    async def get_guarantee(gw: Gw, who: Who, contract_id: ObjectId) -> Guarantee:
+    async def get_guarantee(
+        gw: Gw,
+        who: Who,
+        contract_id: ObjectId,
+        at: Annotated[
+            AwareDatetime | None, Query(description="a time inside the term (default: now)")
+        ] = None,
+    ) -> Guarantee:
         if not who.is_operator:
             await _contract(gw, who, contract_id)
         return await gw.fetch(
             Guarantee,
             "billing",
             "guarantee",
-            {"contract_id": contract_id},
+            {"contract_id": contract_id, "at": at.isoformat() if at else None},
             missing=not_found("contract", contract_id, "contract_id"),
         )
 
     @app.post(
         f"{v1}/contracts/{{contract_id}}/close-term",
         tags=["billing"],
-        response_model=Guarantee,
+        response_model=CloseTermResult,
         summary="after term_end: final evaluation, issues the credit once (409 before)",
     )
-    async def close_term(gw: Gw, _: Operator, contract_id: ObjectId) -> Guarantee:
+    async def close_term(gw: Gw, _: Operator, contract_id: ObjectId) -> CloseTermResult:
         return await gw.fetch(
-            Guarantee,
+            CloseTermResult,
             "billing",
             "close_term",
             {"contract_id": contract_id},

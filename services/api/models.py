@@ -114,6 +114,7 @@ class DrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     cluster: Name | None = None
+    reason: Annotated[str, Field(min_length=1, max_length=500)] = "planned maintenance"
 
 
 class DrainAccepted(BaseModel):
@@ -188,17 +189,21 @@ class JobView(Passthrough):
 
 
 class TimelineEntry(Passthrough):
-    """One generation, incident or migration of a job, in order."""
+    """One event of a job's life: a generation, a fault, a migration step (``type`` says)."""
 
-    kind: str
+    type: str
     at: datetime | None = None
 
 
-class Timeline(BaseModel):
-    """A job's generations, incidents and migrations in the order they happened."""
+class Timeline(Passthrough):
+    """A job's generations, incidents and migrations, each list in time order."""
 
     job_id: str
-    items: list[TimelineEntry]
+    tenant: str | None = None
+    events: list[TimelineEntry] = Field(default_factory=list)
+    generations: list[dict[str, Any]] = Field(default_factory=list)
+    incidents: list[Incident] = Field(default_factory=list)
+    migrations: list[dict[str, Any]] = Field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- billing
@@ -209,6 +214,7 @@ class ContractRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    contract_id: Name | None = None
     tenant: Token
     term_start: AwareDatetime
     term_end: AwareDatetime
@@ -240,6 +246,14 @@ class CreditView(Passthrough):
     ratio: float | None = None
 
 
+class CloseTermResult(Passthrough):
+    """A closed term: the final guarantee and, when it was missed, the one credit."""
+
+    guarantee: Guarantee
+    credit: CreditView | None = None
+    closed_now: bool = False
+
+
 class LedgerVerification(Passthrough):
     """The ledger's hash chain recomputed: ``first_bad`` names the first entry that differs."""
 
@@ -252,6 +266,7 @@ __all__ = [
     "CURSOR_PATTERN",
     "MAX_MINOR",
     "PERIOD_PATTERN",
+    "CloseTermResult",
     "ClusterView",
     "Contract",
     "ContractRequest",
