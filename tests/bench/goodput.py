@@ -489,7 +489,14 @@ def run() -> dict[str, Any]:
             f"{s['torchrelay']['gpu_hours_saved_vs_checkpoint_restart']:>17,.0f}"
         )
     print(f"plot: {plot_path}")
+    big = results[str(SCALES[-1])]["strategies"]
+    summary = (
+        f"MTTF {projection['16384']['mttf_h']:.2f} h @16k, {projection['131072']['mttf_h']:.3f} h "
+        f"@131k; ETTR @131k: ckpt-restart {big['checkpoint_restart']['ettr']:.3f}, in-job "
+        f"{big['in_job_restart']['ettr']:.3f}, torchrelay {big['torchrelay']['ettr']:.3f}"
+    )
     return {
+        "summary": summary,
         "method": (
             f"discrete-event Monte Carlo, numpy default_rng(seed={SEED}), {REPLICATIONS} "
             f"replications of {HORIZON_DAYS:.0f} days per strategy and scale; closed forms beside"
