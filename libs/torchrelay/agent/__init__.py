@@ -1,0 +1,9 @@
+"""The in-job agent: ``torchrelay.init()`` joins the job and returns its :class:`Job`.
+
+See DESIGN.md §4 for the semantics and docs of :class:`Job` for the training-loop API.
+"""
+
+from torchrelay.agent._job import AgentError, Job, init
+from torchrelay.agent._state import state_digest
+
+__all__ = ["AgentError", "Job", "init", "state_digest"]

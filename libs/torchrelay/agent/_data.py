@@ -1,0 +1,94 @@
+"""Step-indexed data: the batch and the random seeds of (step, rank) are pure functions.
+
+A rank that takes over at step ``s`` must read exactly the samples, and draw exactly the
+dropout masks, that the rank it replaces would have. So nothing here depends on history:
+the global sample order of an epoch is a permutation seeded by (seed, epoch), and step ``s``
+of rank ``r`` reads the ``r``-th slice of the ``s``-th window of that order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+from collections.abc import Callable, Sized
+from typing import Any
+
+import torch
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (stable across processes, Python versions and machines)."""
+    raw = ",".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.sha256(raw).digest()[:8], "big") & ((1 << 63) - 1)
+
+
+def seed_step(seed: int, step: int, rank: int) -> None:
+    """Seed torch (CPU and CUDA), ``random`` and, if loaded, numpy for (seed, step, rank)."""
+    value = derive_seed(seed, step, rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(value % (1 << 32))
+
+
+class StepSampler:
+    """The sample indices of (step, rank) for a dataset of ``length`` samples.
+
+    Each step consumes ``world_size * batch_size`` samples of the epoch order; an epoch
+    boundary may fall inside a step (the window wraps into the next epoch's order).
+    """
+
+    def __init__(self, length: int, batch_size: int, world_size: int, *, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if length <= 0:
+            raise ValueError("the dataset is empty: job.batches needs at least one sample")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.length = length
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        order = self._orders.get(epoch)
+        if order is None:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(derive_seed(self.seed, epoch, -1))
+                order = torch.randperm(self.length, generator=gen).tolist()
+            else:
+                order = list(range(self.length))
+            if len(self._orders) > 2:  # steps move forward; keep the current epoch or two
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = order
+        return order
+
+    def indices(self, step: int, rank: int) -> list[int]:
+        """The dataset indices rank ``rank`` reads at step ``step``."""
+        start = (step * self.world_size + rank) * self.batch_size
+        out = []
+        for offset in range(start, start + self.batch_size):
+            epoch, pos = divmod(offset, self.length)
+            out.append(self._order(epoch)[pos])
+        return out
+
+
+def make_batch(dataset: Any, indices: list[int],
+               collate_fn: Callable[[list[Any]], Any] | None) -> Any:
+    """Collate ``dataset[i]`` for ``indices`` (torch's default collation unless given one)."""
+    items = [dataset[i] for i in indices]
+    if collate_fn is not None:
+        return collate_fn(items)
+    from torch.utils.data import default_collate  # noqa: PLC0415
+
+    return default_collate(items)
+
+
+def dataset_length(dataset: Any) -> int:
+    """``len(dataset)``, with an error that says what job.batches needs."""
+    if not isinstance(dataset, Sized):
+        raise TypeError("job.batches needs a map-style dataset with __len__ and __getitem__")
+    return len(dataset)

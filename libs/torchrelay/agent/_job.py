@@ -1,0 +1,610 @@
+"""The in-job agent: ``torchrelay.init()`` and :class:`Job` (DESIGN.md §4, protocol.md).
+
+One ``Job`` per training process. The training thread runs the user's loop; a background
+thread (``_net.NetThread``) talks to NATS and delivers new generations. Steps commit only
+when the live group's all-reduce completes; a collective in flight is abandoned the moment
+a newer generation (mode ``immediate``) is known; a ``boundary`` generation is entered after
+a step that every rank agrees on through a flag carried in that step's all-reduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from torchrelay.agent._data import StepSampler, dataset_length, make_batch, seed_step
+from torchrelay.agent._group import (
+    Abandoned,
+    Backend,
+    CollectiveError,
+    Wakeup,
+    form_group,
+    wait_work,
+)
+from torchrelay.agent._net import NetThread
+from torchrelay.agent._state import Stateful, pack_state, state_digest, unpack_state
+from torchrelay.contract import (
+    EXIT_APPLICATION_ERROR,
+    EXIT_FENCED,
+    AgentReport,
+    Generation,
+    Heartbeat,
+    MigrationMode,
+    ReportKind,
+    Role,
+    Subjects,
+    make_event_id,
+)
+
+log = logging.getLogger("torchrelay.agent")
+
+HEARTBEAT_MIN_INTERVAL_S = 0.2  # step heartbeats: at most 5 per second
+LIVENESS_INTERVAL_S = 0.5
+NO_STATE = -2  # a member that has never held a rank's state (a spare) in the step agreement
+
+
+class AgentError(RuntimeError):
+    """The agent cannot run: the message says what is missing and how to fix it."""
+
+
+def _env(name: str, default: str | None = None) -> str:
+    value = os.environ.get(name, default)
+    if value is None:
+        raise AgentError(f"{name} is not set: start training scripts with `torchrelay run "
+                         "--nproc N SCRIPT` (it sets the job's environment)")
+    return value
+
+
+def _nats_url() -> str:
+    url = os.environ.get("NATS_URL")
+    if url:
+        return url
+    home = Path(os.environ.get("TORCHRELAY_HOME", ".torchrelay"))
+    try:
+        return str(json.loads((home / "stack.json").read_text())["nats_url"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise AgentError("no torchrelay stack: run `torchrelay up --detach` or set "
+                         "NATS_URL") from exc
+
+
+class Job:
+    """This process's membership in a torchrelay job (create it with :func:`init`)."""
+
+    def __init__(self, *, collective_timeout_s: float | None = None,
+                 connect_timeout_s: float = 30.0) -> None:
+        self.job_id = _env("TORCHRELAY_JOB_ID")
+        self.member_id = _env("TORCHRELAY_MEMBER_ID", f"{self.job_id}-pid{os.getpid()}")
+        self.role = Role(_env("TORCHRELAY_ROLE", "worker"))
+        self.node = _env("TORCHRELAY_NODE", "local-0")
+        self.gpu = int(_env("TORCHRELAY_GPU", "0"))
+        self.cluster = _env("TORCHRELAY_CLUSTER", "local")
+        self.tenant = _env("TORCHRELAY_TENANT", "default")
+        self.run_dir = Path(_env("TORCHRELAY_RUN_DIR", "."))
+        timeout_s = collective_timeout_s or float(
+            os.environ.get("TORCHRELAY_COLLECTIVE_TIMEOUT_S", "60"))
+        host = os.environ.get("TORCHRELAY_ADVERTISE_HOST", "127.0.0.1")
+        self.backend = Backend.detect(self.gpu, timeout_s, host)
+
+        self._lock = threading.Lock()
+        self._wakeup = Wakeup()
+        self._latest: Generation | None = None  # newest generation seen (net thread writes)
+        self._latest_immediate = 0  # newest generation number with mode immediate
+        self._ever_named = False
+        self._named_t: float | None = None
+        self._exiting = False
+
+        self._gen: Generation | None = None  # the generation the training thread runs in
+        self._pg: Any = None
+        self._rank: int | None = None
+        self._tracked: dict[str, Stateful] = {}
+        self._has_state = self.role == Role.WORKER
+        self._committed = -1
+        self._regroup = True
+        self._in_step: int | None = None
+        self._step_called = False
+        self._last_commit_t: float | None = None
+        self._disrupted_t: float | None = None  # when this rank first learnt of the change
+        self._lost_steps = 0
+        self._resume: dict[str, Any] | None = None
+        self._last_step_hb = 0.0
+        self._step_time: float | None = None
+        self._step_started: float | None = None
+        self._finished = False
+
+        # The rendezvous store every member hosts; a generation names whose one is used.
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=self.backend.timeout)
+        self.store_addr = f"{host}:{self._store.port}"
+        self._store_clients: dict[str, Any] = {}
+
+        self._net = NetThread(_nats_url(), f"agent-{self.member_id}",
+                              os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None,
+                              connect_timeout_s)
+        self._install_exit_hooks()
+        self._report(ReportKind.JOINED, store_addr=self.store_addr, generation=0,
+                     event_id=make_event_id("joined", self.member_id))
+        self._net.watch_generation(self.job_id, self._on_generation)
+        self._net.start_every(LIVENESS_INTERVAL_S, self._liveness)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in its current generation."""
+        if self._rank is None:
+            raise AgentError("this process holds no rank yet")
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks."""
+        gen = self._gen or self._latest
+        if gen is None:
+            raise AgentError("the job has no generation yet")
+        return gen.world_size
+
+    @property
+    def generation(self) -> int:
+        """The generation this process trains in (0 before it holds a rank)."""
+        return self._gen.generation if self._gen is not None else 0
+
+    @property
+    def committed_step(self) -> int:
+        """The last step committed on every live rank (-1 before the first)."""
+        return self._committed
+
+    @property
+    def device(self) -> torch.device:
+        """Where collectives run: the CUDA device under NCCL, else the CPU."""
+        return self.backend.device
+
+    # ------------------------------------------------------------------ generations
+
+    def _on_generation(self, gen: Generation) -> None:
+        """Net thread: record a generation; fence at once if it drops us immediately."""
+        with self._lock:
+            if gen.job_id != self.job_id or (
+                    self._latest is not None and gen.generation <= self._latest.generation):
+                return
+            self._latest = gen
+            if gen.mode == MigrationMode.IMMEDIATE:
+                self._latest_immediate = gen.generation
+            named = gen.member_rank(self.member_id) is not None
+            if named:
+                self._ever_named = True
+            drop_now = (not named and self._ever_named and (
+                gen.mode == MigrationMode.IMMEDIATE or self.member_id not in gen.departing
+                or self._gen is None))
+            if named and self._named_t is None:
+                self._named_t = time.monotonic()
+            if self._disrupted_t is None and self._gen is not None:
+                self._disrupted_t = time.monotonic()
+            if drop_now:
+                self._exiting = True
+        self._wakeup.set()
+        if drop_now:
+            # On the net thread: the report must go out from this loop before we exit.
+            self._net.submit(self._fence_from_loop(
+                f"generation {gen.generation} does not name {self.member_id}"))
+
+    def _stale(self, gen: Generation) -> Callable[[], bool]:
+        """Whether a generation newer than ``gen`` requires leaving it at once."""
+        return lambda: self._latest_immediate > gen.generation or self._exiting
+
+    def _named_generation(self) -> Generation:
+        """Block until the newest generation names this member (fence if it never will)."""
+        while True:
+            with self._lock:
+                latest = self._latest
+            if latest is not None and latest.member_rank(self.member_id) is not None:
+                return latest
+            if latest is not None and self._ever_named:
+                self._fence(f"generation {latest.generation} does not name {self.member_id}")
+            self._wakeup.wait_for(lambda: self._latest is not latest, lambda: False,
+                                  slice_s=5.0)
+
+    def _store_for(self, gen: Generation) -> Any:
+        if gen.store_member == self.member_id:
+            return self._store
+        client = self._store_clients.get(gen.store_addr)
+        if client is None:
+            host, _, port = gen.store_addr.rpartition(":")
+            client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                   timeout=self.backend.timeout)
+            self._store_clients[gen.store_addr] = client
+        return client
+
+    def _enter_generation(self) -> None:
+        """Join the newest generation naming us and bring every rank to the same state."""
+        while True:
+            gen = self._named_generation()
+            if self._pg is not None:
+                self.backend.abandon(self._pg)
+                self._pg = None
+            rank = gen.member_rank(self.member_id)
+            assert rank is not None
+            stale = self._stale(gen)
+            try:
+                prefix = f"{self.job_id}/g{gen.generation}"
+                pg = form_group(self.backend,
+                                lambda g=gen, p=prefix: dist.PrefixStore(p, self._store_for(g)),
+                                rank, gen.world_size, self._wakeup, stale)
+            except Abandoned:
+                continue
+            except CollectiveError as exc:
+                self._collective_failed(gen, rank, exc)
+                continue
+            self._gen, self._pg, self._rank = gen, pg, rank
+            try:
+                received = self._sync_state(gen, pg, rank, stale)
+            except Abandoned:
+                continue
+            except CollectiveError as exc:
+                self._collective_failed(gen, rank, exc)
+                continue
+            self._regroup = False
+            self._resume = {"generation": gen.generation, "rank": rank,
+                            "bytes_received": received, "lost_steps": self._lost_steps,
+                            "step": self._committed + 1}
+            return
+
+    def _sync_state(self, gen: Generation, pg: Any, rank: int,
+                    stale: Callable[[], bool]) -> int:
+        """Agree on the highest committed step; its lowest holder sends its state below.
+
+        Returns the number of state bytes this rank received.
+        """
+        dev = self.backend.device
+        mine = torch.tensor([self._committed if self._has_state else NO_STATE],
+                            dtype=torch.int64, device=dev)
+        outs = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(gen.world_size)]
+        self._run(pg.allgather([outs], [mine]), pg, stale)
+        steps = [int(t.item()) for t in outs]
+        best = max(steps)
+        if best == NO_STATE:
+            raise AgentError(f"no member of generation {gen.generation} holds any state")
+        source = steps.index(best)
+        receivers = [r for r, s in enumerate(steps) if s < best]
+        tag = gen.generation
+        if rank == source and receivers:
+            payload = pack_state(self._tracked, best)
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+            size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+            for dst in receivers:
+                self._run(pg.send([size], dst, tag), pg, stale)
+                self._run(pg.send([data], dst, tag), pg, stale)
+            return 0
+        if rank in receivers:
+            size = torch.zeros(1, dtype=torch.int64, device=dev)
+            self._run(pg.recv([size], source, tag), pg, stale)
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+            self._run(pg.recv([data], source, tag), pg, stale)
+            step = unpack_state(data.cpu().numpy().tobytes(), self._tracked)
+            if step != best:
+                raise AgentError(f"recovery source sent step {step}, expected {best}")
+            self._committed = best
+            self._has_state = True
+            return int(data.numel())
+        return 0
+
+    def _run(self, work: Any, pg: Any, stale: Callable[[], bool]) -> None:
+        """Wait for ``work``; on Abandoned/CollectiveError the group is given up for good."""
+        try:
+            wait_work(work, self._wakeup, stale)
+        except (Abandoned, CollectiveError):
+            self.backend.abandon(pg, work)
+            if pg is self._pg:
+                self._pg = None
+            self._regroup = True
+            raise
+
+    def _collective_failed(self, gen: Generation, rank: int, exc: CollectiveError) -> None:
+        """Report the failure and wait until a newer generation is known."""
+        self._report(ReportKind.COLLECTIVE_FAILED, generation=gen.generation, rank=rank,
+                     step=self._committed + 1, peer_rank=exc.peer_rank, error=str(exc)[:8000],
+                     event_id=make_event_id("collective_failed", self.member_id,
+                                            gen.generation, self._committed + 1))
+        with self._lock:
+            if self._disrupted_t is None:
+                self._disrupted_t = time.monotonic()
+        self._wakeup.wait_for(lambda: (self._latest is not None
+                                       and self._latest.generation > gen.generation),
+                              lambda: False, slice_s=5.0)
+
+    # ------------------------------------------------------------------ public API
+
+    def track(self, **stateful: Stateful) -> None:
+        """Register objects whose state moves with the rank (model, optimizer, scheduler...).
+
+        Every process of the job must track the same names.
+        """
+        for name, obj in stateful.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"job.track({name}=...) needs state_dict() and "
+                                "load_state_dict()")
+            self._tracked[name] = obj
+
+    def batches(self, dataset: Any, batch_size: int, max_steps: int, *, seed: int = 0,
+                shuffle: bool = True,
+                collate_fn: Callable[[list[Any]], Any] | None = None,
+                ) -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, batch)`` for this rank until ``max_steps`` steps are committed.
+
+        The batch of (step, rank) and the step's RNG seeds are pure functions of ``seed``,
+        the step and the rank, so whoever holds the rank sees the same data and dropout. A
+        step that did not commit (a peer failed) is yielded again.
+        """
+        if not self._tracked:
+            log.warning("torchrelay: nothing is tracked; call job.track(model=..., "
+                        "optimizer=...) or a spare cannot receive the state")
+        length = dataset_length(dataset)
+        sampler: StepSampler | None = None
+        while True:
+            if self._regroup or self._pg is None:
+                self._enter_generation()
+            gen = self._gen
+            assert gen is not None and self._rank is not None
+            if sampler is None or sampler.world_size != gen.world_size:
+                sampler = StepSampler(length, batch_size, gen.world_size, seed=seed,
+                                      shuffle=shuffle)
+            step = self._committed + 1
+            if step >= max_steps:
+                if self._agree_done(max_steps):
+                    return
+                continue
+            seed_step(seed, step, self._rank)
+            batch = make_batch(dataset, sampler.indices(step, self._rank), collate_fn)
+            self._in_step, self._step_called = step, False
+            self._step_started = time.perf_counter()
+            yield step, batch
+            if not self._step_called:
+                raise AgentError("call job.step(optimizer) once for every batch of "
+                                 "job.batches()")
+
+    def _agree_done(self, max_steps: int) -> bool:
+        """Every live rank has committed the last step: the loop may end everywhere."""
+        gen, pg = self._gen, self._pg
+        assert gen is not None
+        flag = torch.tensor([self._committed], dtype=torch.int64, device=self.backend.device)
+        try:
+            self._run(pg.allreduce([flag], dist.AllreduceOptions()), pg, self._stale(gen))
+        except Abandoned:
+            return False
+        except CollectiveError as exc:
+            self._collective_failed(gen, self.rank, exc)
+            return False
+        return int(flag.item()) >= gen.world_size * (max_steps - 1)
+
+    def step(self, *optimizers: torch.optim.Optimizer) -> bool:
+        """All-reduce the gradients over the live group and step the optimizers.
+
+        Returns True when the step committed. On False (a peer failed, or the group
+        changed) the gradients are dropped, nothing was stepped, and ``job.batches``
+        yields the same step again once the new generation is ready.
+        """
+        self._step_called = True
+        if self._regroup or self._pg is None:
+            self._enter_generation()
+        gen, pg = self._gen, self._pg
+        assert gen is not None
+        step = self._in_step if self._in_step is not None else self._committed + 1
+        params = [p for opt in optimizers for group in opt.param_groups
+                  for p in group["params"] if p.requires_grad]
+        params = list(dict.fromkeys(params))  # a parameter shared by two optimizers: once
+        with self._lock:
+            switch_wanted = (self._latest is not None
+                             and self._latest.generation > gen.generation)
+        buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0)
+        try:
+            self._run(pg.allreduce([buf], dist.AllreduceOptions()), pg, self._stale(gen))
+        except Abandoned:
+            self._discard(params)
+            return False
+        except CollectiveError as exc:
+            self._discard(params)
+            self._collective_failed(gen, self.rank, exc)
+            return False
+        if self._exiting:  # fenced meanwhile: never commit after that
+            self._fence("a newer generation does not name this member")
+        switch = bool(buf[-1].item() > 0)
+        grads = buf[:-1]
+        grads.div_(gen.world_size)
+        _unflatten(grads, params)
+        for opt in optimizers:
+            opt.step()
+        self._commit(step, gen)
+        if switch:
+            self._switch_at_boundary(gen)
+        return True
+
+    def _discard(self, params: list[torch.nn.Parameter]) -> None:
+        self._lost_steps = 1
+        for p in params:
+            p.grad = None
+
+    def _commit(self, step: int, gen: Generation) -> None:
+        now = time.monotonic()
+        self._committed = step
+        self._in_step = None
+        if self._step_started is not None:
+            self._step_time = time.perf_counter() - self._step_started
+        if self._resume is not None:
+            resume, self._resume = self._resume, None
+            since = self._last_commit_t if self._last_commit_t is not None else self._named_t
+            stall_ms = 0.0 if gen.generation == 1 or since is None else (now - since) * 1000
+            self._report(ReportKind.RESUMED, generation=resume["generation"],
+                         rank=resume["rank"], step=resume["step"],
+                         lost_steps=resume["lost_steps"],
+                         bytes_received=resume["bytes_received"], stall_ms=stall_ms,
+                         event_id=make_event_id("resumed", self.member_id,
+                                                resume["generation"]))
+            self._lost_steps = 0
+            with self._lock:
+                self._disrupted_t = None
+        self._last_commit_t = now
+        if now - self._last_step_hb >= HEARTBEAT_MIN_INTERVAL_S:
+            self._last_step_hb = now
+            self._heartbeat("step")
+
+    def _switch_at_boundary(self, gen: Generation) -> None:
+        """After the agreed commit: leave for the newer generation, or exit if dropped."""
+        self._wakeup.wait_for(lambda: (self._latest is not None
+                                       and self._latest.generation > gen.generation),
+                              lambda: False)
+        with self._lock:
+            latest = self._latest
+        assert latest is not None
+        if latest.member_rank(self.member_id) is None:
+            self._fence(f"left at the step boundary for generation {latest.generation}")
+        if self._pg is not None:
+            self.backend.abandon(self._pg)
+            self._pg = None
+        self._regroup = True
+
+    def finish(self) -> None:
+        """Report that this rank finished and close the connection (call once, at the end)."""
+        if self._finished:
+            return
+        self._finished = True
+        self._report(ReportKind.FINISHED, generation=self.generation, rank=self._rank,
+                     step=self._committed,
+                     event_id=make_event_id("finished", self.member_id, self.generation))
+        if self._pg is not None:
+            # A clean group tears down quickly, but never risk it on the training thread.
+            self.backend.abandon(self._pg)
+            self._pg = None
+        self._net.close(5.0)
+
+    def state_digest(self) -> str:
+        """sha256 of the exact bits of every tracked state and the committed step."""
+        return state_digest(self._tracked, self._committed)
+
+    # ------------------------------------------------------------------ reports, exits
+
+    def _make_report(self, kind: ReportKind, *, event_id: str, **fields: Any) -> AgentReport:
+        fields.setdefault("rank", self._rank)
+        return AgentReport(
+            event_id=event_id, source=f"agent:{self.member_id}", job_id=self.job_id,
+            member_id=self.member_id, kind=kind, role=self.role, node=self.node, gpu=self.gpu,
+            pid=os.getpid(), cluster=self.cluster, **fields)
+
+    def _report(self, kind: ReportKind, *, event_id: str, **fields: Any) -> None:
+        self._net.publish(self._make_report(kind, event_id=event_id, **fields),
+                          Subjects.agent_report(self.job_id))
+
+    def _heartbeat(self, kind: str) -> None:
+        beat = Heartbeat(
+            event_id=make_event_id("hb", self.member_id, kind, time.time_ns()),
+            source=f"agent:{self.member_id}", job_id=self.job_id, member_id=self.member_id,
+            rank=self._rank, generation=self.generation, step=self._committed,
+            step_time_s=self._step_time, kind=kind,  # type: ignore[arg-type]
+            node=self.node, gpu=self.gpu, pid=os.getpid(), cluster=self.cluster)
+        self._net.publish_core(Subjects.heartbeat(self.job_id), beat)
+
+    def _liveness(self) -> None:
+        self._heartbeat("liveness")
+
+    def _fenced_report(self, why: str) -> AgentReport:
+        return self._make_report(
+            ReportKind.FENCED, generation=self.generation, error=why, step=self._committed,
+            event_id=make_event_id("fenced", self.member_id, self.generation))
+
+    def _fence(self, why: str) -> NoReturn:
+        """Exit with EXIT_FENCED: another process holds our rank; nothing more is committed."""
+        self._exiting = True
+        self._net.publish(self._fenced_report(why), Subjects.agent_report(self.job_id))
+        self._net.flush(2.0)
+        print(f"torchrelay: {self.member_id} fenced: {why}", file=sys.stderr, flush=True)
+        _hard_exit(EXIT_FENCED)
+
+    async def _fence_from_loop(self, why: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._net.bus.publish(
+                self._fenced_report(why), Subjects.agent_report(self.job_id)), 2.0)
+        print(f"torchrelay: {self.member_id} fenced: {why}", file=sys.stderr, flush=True)
+        _hard_exit(EXIT_FENCED)
+
+    def _install_exit_hooks(self) -> None:
+        previous = sys.excepthook
+
+        def _hook(exc_type: type[BaseException], exc: BaseException,
+                  tb: TracebackType | None) -> None:
+            if issubclass(exc_type, KeyboardInterrupt):
+                previous(exc_type, exc, tb)
+                _hard_exit(130)
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            with contextlib.suppress(OSError):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / f"{self.member_id}.exit.json").write_text(json.dumps(
+                    {"kind": "application_error", "error": text[-8000:]}))
+            with contextlib.suppress(Exception):
+                self._report(ReportKind.APPLICATION_ERROR, generation=self.generation,
+                             step=self._committed, error=text[-8000:],
+                             event_id=make_event_id("application_error", self.member_id))
+                self._net.flush(3.0)
+            previous(exc_type, exc, tb)
+            # Exit now: abandoned groups and the net thread must not delay the exit.
+            _hard_exit(EXIT_APPLICATION_ERROR)
+
+        sys.excepthook = _hook
+
+
+def _hard_exit(code: int) -> NoReturn:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _flatten(params: list[torch.nn.Parameter], device: torch.device,
+             flag: float) -> torch.Tensor:
+    """One buffer of every gradient (zeros where a parameter has none) plus the flag."""
+    dtypes = {p.dtype for p in params}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+             for p in params]
+    parts.append(torch.tensor([flag], dtype=dtype, device=device))
+    return torch.cat(parts).to(device)
+
+
+def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        view = flat[offset:offset + n].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = view.clone()
+        else:
+            p.grad.copy_(view)
+        offset += n
+
+
+def init(**kwargs: Any) -> Job:
+    """Join the job this process was launched into; returns once a generation names it.
+
+    A worker returns when the job's first generation is formed; a hot spare
+    (``TORCHRELAY_ROLE=spare``) blocks here until a generation gives it a rank.
+
+    Keyword Args:
+        collective_timeout_s: how long a collective may hang before it counts as failed
+            (default ``TORCHRELAY_COLLECTIVE_TIMEOUT_S`` or 60).
+        connect_timeout_s: how long to retry the first NATS connection (default 30).
+    """
+    job = Job(**kwargs)
+    job._named_generation()  # noqa: SLF001 - init is the Job's own entry point
+    return job
+
