@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,15 +52,19 @@ async def make_contract(
     fee: int = 1_000_000,
     **extra: Any,
 ) -> Contract:
-    body: dict[str, Any] = dict(
-        tenant=tenant, term_start=start, term_end=end, renewal_fee_minor=fee, currency="USD"
-    )
+    body: dict[str, Any] = {
+        "tenant": tenant,
+        "term_start": start,
+        "term_end": end,
+        "renewal_fee_minor": fee,
+        "currency": "USD",
+    }
     body.update(extra)
     contract, _ = await ledger.create_contract(ContractRequest.model_validate(body))
     return contract
 
 
 @pytest.fixture
-async def ledger(redis: aioredis.Redis) -> AsyncIterator[Ledger]:
+async def ledger(redis: aioredis.Redis) -> Ledger:
     """A ledger on the session's Redis under a prefix of its own."""
-    yield Ledger(redis, f"tr:billing:{uuid.uuid4().hex[:8]}")
+    return Ledger(redis, f"tr:billing:{uuid.uuid4().hex[:8]}")

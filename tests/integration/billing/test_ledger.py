@@ -86,13 +86,13 @@ async def test_overlapping_terms_are_refused_and_identical_creates_are_idempoten
     c = await make_contract(ledger)
     again, created = await ledger.create_contract(
         ContractRequest.model_validate(
-            dict(
-                tenant="acme",
-                term_start=Q1_START,
-                term_end=Q1_END,
-                renewal_fee_minor=1_000_000,
-                currency="USD",
-            )
+            {
+                "tenant": "acme",
+                "term_start": Q1_START,
+                "term_end": Q1_END,
+                "renewal_fee_minor": 1_000_000,
+                "currency": "USD",
+            }
         )
     )
     assert (again, created) == (c, False)
@@ -101,7 +101,8 @@ async def test_overlapping_terms_are_refused_and_identical_creates_are_idempoten
     assert info.value.field == "term_start"
     await make_contract(ledger, tenant="globex")  # another tenant may share the dates
     items, cursor = await ledger.list_contracts("acme")
-    assert [x.contract_id for x in items] == [c.contract_id] and cursor is None
+    assert [x.contract_id for x in items] == [c.contract_id]
+    assert cursor is None
 
 
 async def close(ledger: Ledger, contract_id: str) -> tuple[bool, int, int]:
@@ -190,8 +191,10 @@ async def test_close_term_before_the_end_is_refused_and_closing_twice_credits_on
     await ledger.record(make_incident("lost", resolution=Resolution.LOST))
     first = await ledger.close_term(c.contract_id)
     second = await ledger.close_term(c.contract_id)
-    assert first.newly_closed and not second.newly_closed
-    assert first.credit == second.credit and first.credit is not None
+    assert first.newly_closed
+    assert not second.newly_closed
+    assert first.credit == second.credit
+    assert first.credit is not None
     assert len(await ledger.credits()) == 1
     # A failure reported after the close is recorded, but the final evaluation stands.
     await ledger.record(make_incident("late", resolution=Resolution.MIGRATED_LIVE))
@@ -208,7 +211,8 @@ async def test_a_correction_is_a_new_entry_pointing_at_the_old(ledger: Ledger) -
     result = await ledger.correct(fixed, "the migration completed after the report")
     assert (result.outcome, result.seq) == ("ok", 2)
     entries = await ledger.entries(c.contract_id)
-    assert entries[1]["kind"] == "correction" and entries[1]["corrects_seq"] == 1
+    assert entries[1]["kind"] == "correction"
+    assert entries[1]["corrects_seq"] == 1
     assert entries[0]["incident"]["resolution"] == "lost"  # the original stays
     assert await ledger.tally(c.contract_id) == Tally(resolved=1)
     # Redelivering the original or the correction changes nothing.

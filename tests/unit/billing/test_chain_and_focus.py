@@ -68,8 +68,12 @@ def test_a_removed_middle_entry_is_named() -> None:
 
 
 def test_currencies() -> None:
-    assert is_currency("USD") and is_currency("JPY") and is_currency("KWD")
-    assert not is_currency("XAU") and not is_currency("XXX") and not is_currency("ABC")
+    assert is_currency("USD")
+    assert is_currency("JPY")
+    assert is_currency("KWD")
+    assert not is_currency("XAU")
+    assert not is_currency("XXX")
+    assert not is_currency("ABC")
     assert len(MINOR_UNITS) > 150
     assert str(to_decimal(-250_000, "USD")) == "-2500.00"
     assert str(to_decimal(-2500, "JPY")) == "-2500"
@@ -121,7 +125,8 @@ def test_credit_row_is_a_negative_credit_with_equal_costs() -> None:
         "2026-01-01T00:00:00Z",
         "2026-04-01T00:00:00Z",
     )
-    assert row["PricingQuantity"] is None and row["PricingUnit"] is None
+    assert row["PricingQuantity"] is None
+    assert row["PricingUnit"] is None
     assert json.loads(str(row["Tags"])) == {"torchrelay/contract": "ct-1"}
 
 

@@ -44,14 +44,14 @@ def incident(resolution: Resolution, kind: FaultKind = FaultKind.GPU_LOST) -> In
 
 
 def contract(**kw: object) -> Contract:
-    base: dict[str, object] = dict(
-        contract_id="c1",
-        tenant="acme",
-        term_start=START,
-        term_end=END,
-        renewal_fee_minor=1_000_000,
-        currency="USD",
-    )
+    base: dict[str, object] = {
+        "contract_id": "c1",
+        "tenant": "acme",
+        "term_start": START,
+        "term_end": END,
+        "renewal_fee_minor": 1_000_000,
+        "currency": "USD",
+    }
     base.update(kw)
     return Contract.model_validate(base)
 
@@ -153,13 +153,13 @@ def test_epoch_us_round_trips() -> None:
 
 
 def valid_request(**kw: object) -> dict[str, object]:
-    body: dict[str, object] = dict(
-        tenant="acme",
-        term_start="2026-01-01T00:00:00Z",
-        term_end="2026-04-01T00:00:00Z",
-        renewal_fee_minor=100_000,
-        currency="EUR",
-    )
+    body: dict[str, object] = {
+        "tenant": "acme",
+        "term_start": "2026-01-01T00:00:00Z",
+        "term_end": "2026-04-01T00:00:00Z",
+        "renewal_fee_minor": 100_000,
+        "currency": "EUR",
+    }
     body.update(kw)
     return body
 
