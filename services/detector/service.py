@@ -1,0 +1,913 @@
+"""The central detector: telemetry, heartbeats and agent reports in, faults and node health out.
+
+Handlers are thin: they decode, update the owner's state, call the pure rules of
+:mod:`services.detector.rules`, and publish the first finding of each episode as one
+``FaultDetected``. See README.md for how replicas share the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.aio.msg import Msg
+from prometheus_client import Counter, Histogram
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.detector.rules import (
+    TAXONOMY,
+    DetectorConfig,
+    GpuWindows,
+    MemberProgress,
+    decide,
+    evaluate_sample,
+    hang_bound,
+    hung_members,
+    lemon_weight,
+    lost_members,
+    straggler_ranks,
+)
+from services.detector.state import (
+    JOB_TTL_S,
+    EpisodeStore,
+    JobActivity,
+    JobDirectory,
+    Membership,
+    NodeRegistry,
+)
+from torchrelay.bus import Delivery, NotFound, validation_message
+from torchrelay.contract import (
+    AgentReport,
+    Event,
+    FaultAction,
+    FaultDetected,
+    FaultKind,
+    GenerationChanged,
+    Heartbeat,
+    JobFinished,
+    JobRegistered,
+    Name,
+    NodeHealth,
+    NodeHealthChanged,
+    ReportKind,
+    Severity,
+    Subjects,
+    TelemetryBatch,
+    TelemetrySample,
+    make_event_id,
+)
+from torchrelay.service import ServiceContext
+from torchrelay.settings import ServiceSettings, load_settings
+
+SERVICE = "detector"
+QUEUE_GROUP = "detector"
+# Internal subject on which a replica hands a batch to the replica that owns its node/job.
+FORWARD_PREFIX = "tr.int.detector"
+FORWARD_SUBJECT_HEADER = "Tr-Subject"
+INVENTORY_SILENT_S = 30.0
+
+
+class DetectorSettings(ServiceSettings):
+    """Settings of the detector service (environment ``TORCHRELAY_DETECTOR_*``)."""
+
+    detector_heartbeat_timeout_s: float = Field(default=2.0, gt=0)
+    detector_episode_quiet_s: float = Field(default=60.0, gt=0)
+    detector_hang_floor_s: float = Field(default=5.0, gt=0)
+    detector_hang_factor: float = Field(default=10.0, gt=0)
+    detector_straggler_ratio: float = Field(default=1.3, gt=1)
+    detector_straggler_sustain_s: float = Field(default=5.0, ge=0)
+    detector_breaker_max_share: float = Field(default=0.25, gt=0, le=1)
+    detector_breaker_min_nodes: int = Field(default=1, ge=0)
+    detector_lemon_threshold: float = Field(default=3.0, gt=0)
+    detector_sweep_interval_s: float = Field(default=0.25, gt=0)
+    detector_inventory_interval_s: float = Field(default=2.0, gt=0)
+    detector_replica_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_\-]+$")
+
+    def rules(self) -> DetectorConfig:
+        """The rules' thresholds from these settings."""
+        return DetectorConfig(
+            heartbeat_timeout_s=self.detector_heartbeat_timeout_s,
+            episode_quiet_s=self.detector_episode_quiet_s,
+            hang_floor_s=self.detector_hang_floor_s,
+            hang_factor=self.detector_hang_factor,
+            straggler_ratio=self.detector_straggler_ratio,
+            straggler_sustain_s=self.detector_straggler_sustain_s,
+            breaker_max_share=self.detector_breaker_max_share,
+            breaker_min_nodes=self.detector_breaker_min_nodes,
+            lemon_threshold=self.detector_lemon_threshold,
+        )
+
+
+class NodeQuery(BaseModel):
+    """Body of ``node_get`` / ``node_return``."""
+
+    model_config = ConfigDict(extra="ignore")
+    node: Name
+    cluster: Name | None = None
+
+
+class NodeListQuery(BaseModel):
+    """Body of ``node_list``."""
+
+    model_config = ConfigDict(extra="ignore")
+    cluster: Name | None = None
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+class Detector:
+    """One detector replica."""
+
+    def __init__(self, ctx: ServiceContext, settings: DetectorSettings) -> None:
+        self.ctx = ctx
+        self.bus = ctx.bus
+        self.log = ctx.log
+        self.settings = settings
+        self.cfg = settings.rules()
+        prefix = ctx.prefix
+        self.episodes = EpisodeStore(ctx.redis, prefix, self.cfg)
+        self.jobs = JobDirectory(ctx.redis, prefix)
+        self.nodes = NodeRegistry(ctx.redis, prefix, self.cfg)
+        replica = settings.detector_replica_id or uuid.uuid4().hex[:12]
+        self.membership = Membership(ctx.redis, prefix, replica)
+        self.gpus: dict[tuple[str, str, int], GpuWindows] = {}
+        # (cluster, node) -> gpu -> last sample; flushed to Redis by the inventory task.
+        self.latest: dict[tuple[str, str], dict[int, TelemetrySample]] = {}
+        self.dirty: set[tuple[str, str]] = set()
+        self.activity: dict[str, JobActivity] = {}
+        self.recent_loss: dict[str, float] = {}  # job -> when one of its members was lost
+        reg = ctx.metrics.registry
+        self.m_samples = Counter(
+            "detector_samples_total", "Telemetry samples evaluated", registry=reg
+        )
+        self.m_faults = Counter(
+            "detector_faults_total", "FaultDetected published", ["kind"], registry=reg
+        )
+        self.m_breaker = Counter(
+            "detector_breaker_refusals_total",
+            "Node health changes refused by the circuit breaker",
+            registry=reg,
+        )
+        self.m_forwarded = Counter(
+            "detector_forwarded_total",
+            "Messages handed to the owning replica",
+            ["kind"],
+            registry=reg,
+        )
+        self.m_latency = Histogram(
+            "detector_fault_latency_seconds",
+            "From the sample's timestamp to the fault's publish",
+            registry=reg,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
+        )
+
+    # ----------------------------------------------------------------- wiring
+
+    async def start(self) -> None:
+        """Subscribe, consume and serve (called from ``setup``)."""
+        ctx = self.ctx
+        await self.membership.beat()
+        rid = self.membership.replica_id
+        await self.bus.subscribe_core(Subjects.TELEMETRY_ALL, self._on_telemetry, queue=QUEUE_GROUP)
+        await self.bus.subscribe_core(
+            Subjects.HEARTBEATS_ALL, self._on_heartbeat, queue=QUEUE_GROUP
+        )
+        await self.bus.subscribe_core(f"{FORWARD_PREFIX}.{rid}.>", self._on_forwarded)
+        await ctx.consume("detector-reports", self.handle_report)
+        for verb, handler in (
+            ("cluster_list", self.rpc_cluster_list),
+            ("node_list", self.rpc_node_list),
+            ("node_get", self.rpc_node_get),
+            ("node_return", self.rpc_node_return),
+        ):
+            await ctx.serve(verb, handler)
+        ctx.spawn(self._membership_loop(), "detector-membership")
+        ctx.spawn(self._sweep_loop(), "detector-sweep")
+        ctx.spawn(self._inventory_loop(), "detector-inventory")
+        ctx.closers.append(self.membership.leave)
+        ctx.readiness["replica"] = rid
+
+    async def _membership_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                if await self.membership.beat():
+                    self.log.info("detector replicas: %s", ",".join(self.membership.replicas))
+            except Exception as exc:
+                self.log.warning("membership heartbeat failed: %r", exc)
+
+    # ----------------------------------------------------------------- routing
+
+    async def _route(self, msg: Msg, key: str, kind: str) -> bool:
+        """Hand the message to the replica owning ``key``; True if it was not ours."""
+        owner = self.membership.owner(key)
+        if owner == self.membership.replica_id:
+            return False
+        headers = dict(msg.headers or {})
+        headers[FORWARD_SUBJECT_HEADER] = msg.subject
+        await self.bus.nc.publish(f"{FORWARD_PREFIX}.{owner}.{kind}", msg.data, headers=headers)
+        self.m_forwarded.labels(kind).inc()
+        return True
+
+    async def _on_telemetry(self, msg: Msg) -> None:
+        # The subject names the node: every batch of a node goes to the node's owner.
+        if await self._route(msg, msg.subject, "tel"):
+            return
+        await self.handle_telemetry(msg.subject, msg.data, dict(msg.headers or {}))
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        # One owner per job: the straggler and hang rules need all of its ranks.
+        if await self._route(msg, msg.subject, "hb"):
+            return
+        await self.handle_heartbeat(msg.subject, msg.data, dict(msg.headers or {}))
+
+    async def _on_forwarded(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        subject = headers.pop(FORWARD_SUBJECT_HEADER, msg.subject)
+        if msg.subject.endswith(".tel"):
+            await self.handle_telemetry(subject, msg.data, headers)
+        elif msg.subject.endswith(".hb"):
+            await self.handle_heartbeat(subject, msg.data, headers)
+
+    # ----------------------------------------------------------------- telemetry
+
+    async def handle_telemetry(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Evaluate one telemetry batch; a malformed one goes to ``tr.dlq.detector``."""
+        try:
+            batch = TelemetryBatch.model_validate_json(data)
+        except ValidationError as exc:
+            text, _ = validation_message(exc)
+            await self.bus.dead_letter(subject, data, f"invalid TelemetryBatch: {text}", headers)
+            return
+        expected = Subjects.telemetry(batch.cluster, batch.node)
+        if subject.startswith("tr.tel.") and subject != expected:
+            await self.bus.dead_letter(
+                subject,
+                data,
+                f"refused: batch of {batch.cluster}/{batch.node} published on "
+                f"{subject} (a node agent publishes on {expected})",
+                headers,
+            )
+            return
+        node_key = (batch.cluster, batch.node)
+        latest = self.latest.get(node_key)
+        if latest is None:
+            latest = self.latest[node_key] = {}
+            self.dirty.add(node_key)
+            await self._flush_inventory()  # a new node counts for the breaker at once
+        self.dirty.add(node_key)
+        for s in batch.samples:
+            if s.node != batch.node or s.cluster != batch.cluster:
+                continue  # a sample of another node inside this node's batch: not its to say
+            key = (s.cluster, s.node, s.gpu)
+            w = self.gpus.get(key)
+            if w is None:
+                w = self.gpus[key] = GpuWindows(self.cfg)
+            findings = evaluate_sample(w, s, self.cfg)
+            if not batch.critical:
+                latest[s.gpu] = s
+            for f in findings:
+                await self._gpu_finding(s, f.kind, f.signal, f.evidence)
+        self.m_samples.inc(len(batch.samples))
+
+    async def _gpu_finding(
+        self, s: TelemetrySample, kind: FaultKind, signal: str, evidence: dict[str, Any]
+    ) -> None:
+        at = s.ts.timestamp()
+        key = self.episodes.key(s.cluster, s.node, s.gpu, kind.value)
+        new, number, first = await self.episodes.open(
+            key, at, node_index=self.nodes.episodes_key(s.cluster, s.node)
+        )
+        if not new:
+            return
+        d = decide(kind, number, self.cfg)
+        holder = await self.jobs.slot_holder(s.cluster, s.node, s.gpu)
+        fault_id = make_event_id("fault", s.cluster, s.node, s.gpu, kind.value, number)
+        ev: dict[str, Any] = {
+            "signal": signal,
+            **evidence,
+            "sample_ts": s.ts.isoformat(),
+            "backend": s.backend,
+            "gpu_model": s.gpu_model,
+            "episode": number,
+            "follow_up": d.follow_up,
+        }
+        if d.escalated:
+            ev["escalated"] = (
+                f"{kind.value} recurred after reset or return to service "
+                f"(episode {number}): quarantine for hardware inspection"
+            )
+        fault = FaultDetected(
+            event_id=fault_id,
+            source=SERVICE,
+            fault_id=fault_id,
+            cluster=s.cluster,
+            node=s.node,
+            gpu=s.gpu,
+            kind=kind,
+            severity=d.severity,
+            action=d.action,
+            evidence=ev,
+            repeat=number,
+            first_seen_at=datetime.fromtimestamp(first, UTC),
+            job_id=holder.job_id if holder else None,
+            rank=holder.rank if holder else None,
+            member_id=holder.member_id if holder else None,
+        )
+        await self._publish_fault(fault, at)
+        if TAXONOMY[kind].hardware:
+            await self._node_effects(
+                s.cluster, s.node, s.gpu, kind, d.severity, d.node_health, fault_id
+            )
+
+    async def _publish_fault(self, fault: FaultDetected, signal_at: float) -> None:
+        await self.bus.publish(fault, Subjects.FAULT_DETECTED)
+        self.m_faults.labels(fault.kind.value).inc()
+        self.m_latency.observe(max(0.0, time.time() - signal_at))
+        self.log.warning(
+            "fault %s on %s/%s gpu %s job %s rank %s: %s",
+            fault.kind.value,
+            fault.cluster,
+            fault.node,
+            fault.gpu,
+            fault.job_id,
+            fault.rank,
+            fault.evidence.get("signal"),
+        )
+
+    async def _node_effects(
+        self,
+        cluster: str,
+        node: str,
+        gpu: int,
+        kind: FaultKind,
+        severity: Severity,
+        target: NodeHealth | None,
+        fault_id: str,
+    ) -> None:
+        now = time.time()
+        score = await self.nodes.add_lemon(cluster, node, lemon_weight(severity), now)
+        if score >= self.cfg.lemon_threshold:
+            target = NodeHealth.LEMON
+        if target is None:
+            return
+        await self.nodes.mark_gpu(cluster, node, gpu, target, kind.value)
+        outcome, previous, out, total = await self.nodes.raise_health(cluster, node, target)
+        if outcome == "ok":
+            await self.bus.publish(
+                NodeHealthChanged(
+                    event_id=make_event_id("health", cluster, node, target.value, fault_id),
+                    source=SERVICE,
+                    cluster=cluster,
+                    node=node,
+                    health=target,
+                    lemon_score=score,
+                    gpu=gpu,
+                    reason=f"{kind.value} on GPU {gpu} (fault {fault_id})",
+                ),
+                Subjects.NODE_HEALTH,
+            )
+        elif outcome == "refused":
+            self.m_breaker.inc()
+            reason = (
+                f"circuit breaker: refused to mark {node} {target.value} after "
+                f"{kind.value} on GPU {gpu}: {out} of {total} nodes of cluster "
+                f"{cluster} are already out of service (limit "
+                f"{self.cfg.breaker_max_share:.0%}); a fleet-wide signal is more likely "
+                "a bug or a shared cause - investigate, then node_return nodes"
+            )
+            self.log.error(reason)
+            await self.bus.publish(
+                NodeHealthChanged(
+                    event_id=make_event_id("breaker", cluster, node, target.value, fault_id),
+                    source=SERVICE,
+                    cluster=cluster,
+                    node=node,
+                    health=previous,
+                    lemon_score=score,
+                    gpu=gpu,
+                    reason=reason,
+                ),
+                Subjects.NODE_HEALTH,
+            )
+
+    # ----------------------------------------------------------------- inventory
+
+    async def _inventory_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.detector_inventory_interval_s)
+            try:
+                await self._flush_inventory()
+            except Exception as exc:
+                self.log.warning("inventory flush failed: %r", exc)
+
+    async def _flush_inventory(self) -> None:
+        dirty, self.dirty = self.dirty, set()
+        by_cluster: dict[str, dict[str, dict[str, Any]]] = {}
+        now = time.time()
+        for cluster, node in dirty:
+            samples = self.latest.get((cluster, node), {})
+            by_cluster.setdefault(cluster, {})[node] = {
+                "last_seen": now,
+                "backend": next((s.backend for s in samples.values()), None),
+                "gpus": [
+                    {
+                        "gpu": g,
+                        "model": s.gpu_model,
+                        "temperature_c": s.temperature_c,
+                        "power_w": s.power_w,
+                        "sample_ts": s.ts.isoformat(),
+                        **(
+                            {"slow_factor": s.extra["slow_factor"]}
+                            if "slow_factor" in s.extra
+                            else {}
+                        ),
+                    }
+                    for g, s in sorted(samples.items())
+                ],
+            }
+        for cluster, inv in by_cluster.items():
+            await self.nodes.record_inventory(cluster, inv)
+
+    # ----------------------------------------------------------------- heartbeats
+
+    async def handle_heartbeat(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Track a member's liveness and step progress; malformed beats are dead-lettered."""
+        try:
+            hb = Heartbeat.model_validate_json(data)
+        except ValidationError as exc:
+            text, _ = validation_message(exc)
+            await self.bus.dead_letter(subject, data, f"invalid Heartbeat: {text}", headers)
+            return
+        now = time.time()  # silence is measured on this replica's clock, not the sender's
+        act = self.activity.get(hb.job_id)
+        if act is None:
+            act = self.activity[hb.job_id] = JobActivity(hb.job_id)
+        act.last_beat = now
+        m = act.members.get(hb.member_id)
+        if m is None:
+            m = act.members[hb.member_id] = MemberProgress(
+                hb.member_id, hb.rank, hb.node, hb.gpu, hb.cluster, hb.generation, hb.step, now, now
+            )
+        m.last_seen = now
+        m.rank = hb.rank
+        m.generation = max(m.generation, hb.generation)
+        if hb.step != m.step:
+            m.step = hb.step
+            m.last_progress = now
+        if hb.kind == "step" and hb.step_time_s is not None and hb.rank is not None:
+            act.record_step_time(hb.rank, hb.step_time_s, self.cfg.straggler_window)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.detector_sweep_interval_s)
+            try:
+                await self.sweep(time.time())
+            except Exception:
+                self.log.exception("detector sweep failed")
+
+    async def sweep(self, now: float) -> None:
+        """Run the heartbeat rules (lost, hang, straggler) over every job this replica owns."""
+        for job_id, act in list(self.activity.items()):
+            if now - act.last_beat > 300.0:
+                del self.activity[job_id]
+                continue
+            for m in lost_members(act.members, now, self.cfg):
+                del act.members[m.member_id]  # a later heartbeat brings it back
+                await self._member_silent(job_id, m, now)
+            hang = hung_members(act.members, hang_bound(act.step_times, self.cfg), now, self.cfg)
+            if hang is not None:
+                await self._hang(job_id, hang.stalled, hang.job_wide, hang.bound_s, now)
+            if now - act.last_straggler_check >= 1.0:
+                act.last_straggler_check = now
+                slow = act.straggler.update(
+                    straggler_ranks(act.rank_steps, self.cfg), now, self.cfg
+                )
+                for rank, evidence in slow.items():
+                    await self._straggler(job_id, act, rank, evidence, now)
+
+    async def _current_rank(self, job_id: str, member_id: str, fallback: int | None) -> int | None:
+        """The member's rank in the newest generation; heartbeats' rank for unknown jobs."""
+        got = await self.jobs.ranks(job_id)
+        if got is None:
+            return fallback
+        for a in got[1]:
+            if a["member_id"] == member_id:
+                return int(a["rank"])
+        return None
+
+    async def _member_silent(self, job_id: str, m: MemberProgress, now: float) -> None:
+        if (
+            await self.jobs.finished(job_id)
+            or await self.jobs.app_error(job_id)
+            or await self.jobs.exited(job_id, m.member_id)
+        ):
+            return
+        rank = await self._current_rank(job_id, m.member_id, m.rank)
+        if rank is None:
+            return  # departed in a newer generation (fenced), or a spare: not a rank lost
+        await self._worker_lost(
+            job_id,
+            m.member_id,
+            rank,
+            m.cluster,
+            m.node,
+            m.gpu,
+            now,
+            {
+                "signal": "heartbeats_gone",
+                "silent_s": round(now - m.last_seen, 3),
+                "timeout_s": self.cfg.heartbeat_timeout_s,
+                "last_step": m.step,
+                "generation": m.generation,
+            },
+        )
+
+    async def _worker_lost(
+        self,
+        job_id: str,
+        member_id: str,
+        rank: int | None,
+        cluster: str,
+        node: str,
+        gpu: int | None,
+        at: float,
+        evidence: dict[str, Any],
+    ) -> None:
+        """One worker_lost per member, whichever signal (exit, silence, peer) comes first."""
+        self.recent_loss[job_id] = time.time()
+        key = self.episodes.key("member", job_id, member_id, "worker_lost")
+        new, _, _ = await self.episodes.open(key, at, quiet_s=float(JOB_TTL_S))
+        if not new:
+            return
+        fault_id = make_event_id("worker_lost", job_id, member_id)
+        row = TAXONOMY[FaultKind.WORKER_LOST]
+        await self._publish_fault(
+            FaultDetected(
+                event_id=fault_id,
+                source=SERVICE,
+                fault_id=fault_id,
+                cluster=cluster,
+                node=node,
+                gpu=gpu,
+                job_id=job_id,
+                rank=rank,
+                member_id=member_id,
+                kind=row.kind,
+                severity=row.severity,
+                action=row.action,
+                evidence=evidence,
+                first_seen_at=datetime.fromtimestamp(at, UTC),
+            ),
+            at,
+        )
+
+    async def _hang(
+        self, job_id: str, stalled: list[MemberProgress], job_wide: bool, bound: float, now: float
+    ) -> None:
+        lost_at = self.recent_loss.get(job_id)
+        if job_wide and lost_at is not None and now - lost_at < 120.0:
+            return  # the lost member explains why everyone else waits
+        row = TAXONOMY[FaultKind.WORKER_HANG]
+        if job_wide:
+            first = min(stalled, key=lambda m: m.rank if m.rank is not None else 1 << 30)
+            step = first.step
+            key = self.episodes.key("job", job_id, "worker_hang", step)
+            new, _, _ = await self.episodes.open(key, now, quiet_s=float(JOB_TTL_S))
+            if not new:
+                return
+            fault_id = make_event_id("worker_hang", job_id, "job", step)
+            await self._publish_fault(
+                FaultDetected(
+                    event_id=fault_id,
+                    source=SERVICE,
+                    fault_id=fault_id,
+                    cluster=first.cluster,
+                    node=first.node,
+                    gpu=first.gpu,
+                    job_id=job_id,
+                    kind=row.kind,
+                    severity=Severity.WARNING,
+                    action=FaultAction.RECORD,
+                    evidence={
+                        "signal": "no_step_progress",
+                        "job_wide": True,
+                        "step": step,
+                        "bound_s": round(bound, 3),
+                        "members": sorted(m.member_id for m in stalled),
+                        "note": "every live rank stalled at the same step; culprit unknown",
+                    },
+                ),
+                now,
+            )
+            return
+        for m in stalled:
+            rank = await self._current_rank(job_id, m.member_id, m.rank)
+            if rank is None or await self.jobs.finished(job_id):
+                continue
+            key = self.episodes.key("member", job_id, m.member_id, "worker_hang", m.step)
+            new, _, _ = await self.episodes.open(key, now, quiet_s=float(JOB_TTL_S))
+            if not new:
+                continue
+            fault_id = make_event_id("worker_hang", job_id, m.member_id, m.step)
+            await self._publish_fault(
+                FaultDetected(
+                    event_id=fault_id,
+                    source=SERVICE,
+                    fault_id=fault_id,
+                    cluster=m.cluster,
+                    node=m.node,
+                    gpu=m.gpu,
+                    job_id=job_id,
+                    rank=rank,
+                    member_id=m.member_id,
+                    kind=row.kind,
+                    severity=row.severity,
+                    action=row.action,
+                    evidence={
+                        "signal": "no_step_progress",
+                        "step": m.step,
+                        "stalled_s": round(now - m.last_progress, 3),
+                        "bound_s": round(bound, 3),
+                        "follow_up": row.follow_up,
+                    },
+                ),
+                now,
+            )
+
+    async def _straggler(
+        self, job_id: str, act: JobActivity, rank: int, evidence: dict[str, float], now: float
+    ) -> None:
+        holder = next((m for m in act.members.values() if m.rank == rank), None)
+        if holder is None:
+            return
+        key = self.episodes.key("member", job_id, holder.member_id, "straggler")
+        new, number, _ = await self.episodes.open(key, now)
+        if not new:
+            return
+        row = TAXONOMY[FaultKind.STRAGGLER]
+        fault_id = make_event_id("straggler", job_id, holder.member_id, number)
+        await self._publish_fault(
+            FaultDetected(
+                event_id=fault_id,
+                source=SERVICE,
+                fault_id=fault_id,
+                cluster=holder.cluster,
+                node=holder.node,
+                gpu=holder.gpu,
+                job_id=job_id,
+                rank=rank,
+                member_id=holder.member_id,
+                kind=row.kind,
+                severity=row.severity,
+                action=row.action,
+                repeat=number,
+                evidence={"signal": "step_time", **evidence},
+            ),
+            now,
+        )
+
+    # ----------------------------------------------------------------- reports
+
+    async def handle_report(self, event: Event, delivery: Delivery) -> None:
+        """The durable consumer: job registry, generations, and agents' failure reports."""
+        del delivery
+        if isinstance(event, JobRegistered):
+            await self.jobs.register(event)
+        elif isinstance(event, GenerationChanged):
+            await self.jobs.set_generation(event)
+        elif isinstance(event, JobFinished):
+            await self.jobs.finish(event.job_id)
+            self.activity.pop(event.job_id, None)
+        elif isinstance(event, AgentReport):
+            await self._report(event)
+
+    async def _report(self, r: AgentReport) -> None:
+        at = r.occurred_at.timestamp()
+        if r.kind == ReportKind.JOINED:
+            await self.jobs.add_member(
+                r.job_id, r.member_id, r.node, r.gpu, r.role.value, r.cluster
+            )
+        elif r.kind == ReportKind.WORKER_EXIT:
+            await self.jobs.mark_exited(r.job_id, r.member_id)
+            code = r.exit_code
+            if code in (0, 75):
+                return  # finished, or fenced: nothing was lost
+            if code == 1 and r.error:
+                await self.jobs.mark_app_error(r.job_id)
+                await self._application_error(r, at)
+                return
+            if await self.jobs.app_error(r.job_id) or await self.jobs.finished(r.job_id):
+                return  # killed by the launcher after the job failed or finished
+            rank = await self._current_rank(r.job_id, r.member_id, r.rank)
+            if rank is None:
+                return  # a spare, or a member that no longer holds a rank
+            await self._worker_lost(
+                r.job_id,
+                r.member_id,
+                rank,
+                r.cluster,
+                r.node,
+                r.gpu,
+                at,
+                {"signal": "worker_exit", "exit_code": code, "error": (r.error or "")[:500]},
+            )
+        elif r.kind == ReportKind.APPLICATION_ERROR:
+            await self.jobs.mark_app_error(r.job_id)
+            await self._application_error(r, at)
+        elif r.kind == ReportKind.COLLECTIVE_FAILED:
+            if r.peer_rank is None:
+                self.log.info(
+                    "collective failed in job %s (%s) without a peer: waiting for "
+                    "heartbeats or exits to name the lost rank",
+                    r.job_id,
+                    r.member_id,
+                )
+                return
+            peer = await self.jobs.member_of_rank(r.job_id, r.peer_rank)
+            if peer is None:
+                return
+            cluster = await self.jobs.cluster_of(r.job_id)
+            await self._worker_lost(
+                r.job_id,
+                peer["member_id"],
+                r.peer_rank,
+                cluster,
+                peer["node"],
+                int(peer["gpu"]),
+                at,
+                {
+                    "signal": "collective_failed",
+                    "reported_by": r.member_id,
+                    "step": r.step,
+                    "error": (r.error or "")[:500],
+                },
+            )
+
+    async def _application_error(self, r: AgentReport, at: float) -> None:
+        key = self.episodes.key("member", r.job_id, r.member_id, "application_error")
+        new, _, _ = await self.episodes.open(key, at, quiet_s=float(JOB_TTL_S))
+        if not new:
+            return
+        row = TAXONOMY[FaultKind.APPLICATION_ERROR]
+        fault_id = make_event_id("application_error", r.job_id, r.member_id)
+        rank = r.rank if r.rank is not None else await self.jobs.rank_of(r.job_id, r.member_id)
+        await self._publish_fault(
+            FaultDetected(
+                event_id=fault_id,
+                source=SERVICE,
+                fault_id=fault_id,
+                cluster=r.cluster,
+                node=r.node,
+                gpu=r.gpu,
+                job_id=r.job_id,
+                rank=rank,
+                member_id=r.member_id,
+                kind=row.kind,
+                severity=row.severity,
+                action=row.action,
+                evidence={
+                    "signal": r.kind.value,
+                    "exit_code": r.exit_code,
+                    "error": (r.error or "")[:2000],
+                },
+            ),
+            at,
+        )
+
+    # ----------------------------------------------------------------- rpc
+
+    async def _node_view(
+        self, cluster: str, node: str, inv: dict[str, Any] | None, health: NodeHealth, now: float
+    ) -> dict[str, Any]:
+        gpu_faults = await self.nodes.gpu_health(cluster, node)
+        gpus = []
+        for g in (inv or {}).get("gpus", []):
+            gh = gpu_faults.get(int(g["gpu"]), {})
+            gpus.append(
+                {**g, "health": gh.get("health", "healthy"), "faults": gh.get("faults", [])}
+            )
+        last_seen = (inv or {}).get("last_seen")
+        return {
+            "node": node,
+            "cluster": cluster,
+            "health": health.value,
+            "lemon_score": round(await self.nodes.lemon(cluster, node, now), 4),
+            "state": "out_of_service" if self.nodes.out_of_service(health) else "in_service",
+            "reporting": last_seen is not None and now - float(last_seen) < INVENTORY_SILENT_S,
+            "last_seen": _iso(float(last_seen)) if last_seen else None,
+            "backend": (inv or {}).get("backend"),
+            "gpus": gpus,
+        }
+
+    async def rpc_cluster_list(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """``cluster_list`` -> [{cluster, nodes, gpus, unhealthy}]."""
+        del body
+        out = []
+        for cluster in await self.nodes.clusters():
+            inv = await self.nodes.inventory(cluster)
+            health = await self.nodes.health_all(cluster)
+            out.append(
+                {
+                    "cluster": cluster,
+                    "nodes": len(inv),
+                    "gpus": sum(len(v.get("gpus", [])) for v in inv.values()),
+                    "unhealthy": sum(1 for h in health.values() if self.nodes.out_of_service(h)),
+                }
+            )
+        return out
+
+    async def rpc_node_list(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """``node_list {cluster?}`` -> every node with health, lemon score and GPUs."""
+        q = NodeListQuery.model_validate(body)
+        clusters = [q.cluster] if q.cluster else await self.nodes.clusters()
+        now = time.time()
+        out = []
+        for cluster in clusters:
+            inv = await self.nodes.inventory(cluster)
+            health = await self.nodes.health_all(cluster)
+            for node in sorted(set(inv) | set(health)):
+                out.append(
+                    await self._node_view(
+                        cluster, node, inv.get(node), health.get(node, NodeHealth.HEALTHY), now
+                    )
+                )
+        return out
+
+    async def _locate(self, q: NodeQuery) -> str:
+        cluster = q.cluster or await self.nodes.find_cluster(q.node)
+        if cluster is None or not await self.ctx.redis.hexists(
+            self.nodes.nodes_key(cluster), q.node
+        ):
+            raise NotFound(
+                f"node {q.node} is unknown to the detector (no telemetry from it"
+                f"{' in cluster ' + q.cluster if q.cluster else ''})",
+                "node",
+            )
+        return cluster
+
+    async def rpc_node_get(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``node_get {node, cluster?}`` -> one node."""
+        q = NodeQuery.model_validate(body)
+        cluster = await self._locate(q)
+        inv = (await self.nodes.inventory(cluster)).get(q.node)
+        return await self._node_view(
+            cluster, q.node, inv, await self.nodes.health(cluster, q.node), time.time()
+        )
+
+    async def rpc_node_return(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``node_return {node}``: back to healthy after quarantine, reset or drain.
+
+        Open episodes of the node close, so a fault that recurs afterwards is a repeat
+        (escalated to quarantine for hardware inspection).
+        """
+        q = NodeQuery.model_validate(body)
+        cluster = await self._locate(q)
+        previous = await self.nodes.health(cluster, q.node)
+        closed = await self.episodes.close_node(self.nodes.episodes_key(cluster, q.node))
+        await self.nodes.set_health(cluster, q.node, NodeHealth.HEALTHY)
+        await self.nodes.clear_gpus(cluster, q.node)
+        now = time.time()
+        await self.bus.publish(
+            NodeHealthChanged(
+                event_id=make_event_id("return", cluster, q.node, int(now * 1000)),
+                source=SERVICE,
+                cluster=cluster,
+                node=q.node,
+                health=NodeHealth.HEALTHY,
+                lemon_score=await self.nodes.lemon(cluster, q.node, now),
+                reason=f"returned to service by operator (was {previous.value})",
+            ),
+            Subjects.NODE_HEALTH,
+        )
+        view = await self._node_view(
+            cluster,
+            q.node,
+            (await self.nodes.inventory(cluster)).get(q.node),
+            NodeHealth.HEALTHY,
+            now,
+        )
+        return {**view, "previous_health": previous.value, "episodes_closed": closed}
+
+
+async def setup(ctx: ServiceContext) -> None:
+    """Register the detector's subscriptions, consumer and RPC verbs on ``ctx``."""
+    settings = (
+        ctx.settings
+        if isinstance(ctx.settings, DetectorSettings)
+        else load_settings(DetectorSettings)
+    )
+    detector = Detector(ctx, settings)
+    await detector.start()
+    ctx.readiness["detector"] = "ok"
+    with contextlib.suppress(AttributeError):
+        ctx.detector = detector  # type: ignore[attr-defined]  # for in-process tests
+
+
+__all__ = ["Detector", "DetectorSettings", "setup"]
