@@ -521,9 +521,9 @@ _HEARTBEAT = r"""
 -- ARGV: now, member_id, timeout_ms
 if redis.call('ZSCORE', P .. ':hb', ARGV[2]) then
   redis.call('ZADD', P .. ':hb', ms(NOW + tonumber(ARGV[3])), ARGV[2])
-  return 1
+  return '1'
 end
-return 0
+return '0'
 """
 
 _SWEEP = r"""
