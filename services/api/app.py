@@ -789,6 +789,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             loc = [str(p) for p in err.get("loc", ())]
             where = loc[0] if loc else "body"
             field = ".".join(loc[1:]) or where
+            if err.get("type") == "json_invalid":
+                field = "body"
             if where == "query" and field == "from_":
                 field = "from"
             errors.append({"field": field, "in": where, "message": str(err.get("msg", ""))})

@@ -11,7 +11,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from torchrelay.contract import Contract, Guarantee, Incident, Name, SpareSlot, Token
 
@@ -63,15 +70,17 @@ class TokenRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     scope: Literal["operator", "tenant"]
-    tenant: Token | None = None
+    tenant: Token | None = Field(default=None, validate_default=True)
 
-    @model_validator(mode="after")
-    def _tenant_matches_scope(self) -> TokenRequest:
-        if self.scope == "tenant" and self.tenant is None:
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_matches_scope(cls, value: str | None, info: ValidationInfo) -> str | None:
+        scope = info.data.get("scope")
+        if scope == "tenant" and value is None:
             raise ValueError("tenant is required for a tenant token")
-        if self.scope == "operator" and self.tenant is not None:
+        if scope == "operator" and value is not None:
             raise ValueError("tenant is only for tenant tokens; an operator sees every tenant")
-        return self
+        return value
 
 
 class TokenIssued(BaseModel):
@@ -224,11 +233,13 @@ class ContractRequest(BaseModel):
     credit_rate: float = Field(default=0.25, ge=0, le=1)
     count_proactive: bool = False
 
-    @model_validator(mode="after")
-    def _term_is_forward(self) -> ContractRequest:
-        if self.term_end <= self.term_start:
+    @field_validator("term_end")
+    @classmethod
+    def _term_is_forward(cls, value: datetime, info: ValidationInfo) -> datetime:
+        start = info.data.get("term_start")
+        if start is not None and value <= start:
             raise ValueError("term_end must be after term_start")
-        return self
+        return value
 
 
 class CreditView(Passthrough):
