@@ -1,0 +1,86 @@
+"""The Dockerfile and .dockerignore: one image, the pinned CPU torch, entry point and port."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from tests.unit.deploy import checks
+
+
+def _instructions() -> list[tuple[str, str]]:
+    return checks.dockerfile_instructions(checks.DOCKERFILE.read_text())
+
+
+def test_both_stages_are_python_3_11_slim() -> None:
+    bases = [args.split()[0] for word, args in _instructions() if word == "FROM"]
+    assert bases
+    assert all(b == "python:3.11-slim" for b in bases), bases
+
+
+def test_pip_installs_the_package_with_the_dev_constraints_and_cpu_torch() -> None:
+    runs = [args for word, args in _instructions() if word == "RUN" and "pip install" in args]
+    assert runs
+    assert all("-c constraints/dev.txt" in r for r in runs), runs
+    torch = [r for r in runs if re.search(r"\btorch\b", r)]
+    assert torch
+    assert "download.pytorch.org/whl/cpu" in torch[0]
+    assert "torch==2.13.0" in (checks.REPO / "constraints" / "dev.txt").read_text()
+    # The OTLP exporter, so TORCHRELAY_OTLP_ENDPOINT (the `otel` profile) works.
+    assert any('".[otlp]"' in r or "'.[otlp]'" in r for r in runs), runs
+
+
+def test_env_names_are_settings_and_the_port_is_the_one_exposed(
+    known_env: frozenset[str], compose: dict[str, Any], k8s_docs: list[dict[str, Any]]
+) -> None:
+    env: dict[str, str] = {}
+    for word, args in _instructions():
+        if word == "ENV":
+            env.update(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=(\S+)", args))
+    assert checks.unknown_env_problems("Dockerfile", env, known_env) == []
+    exposed = [args for word, args in _instructions() if word == "EXPOSE"]
+    assert exposed == [env["TORCHRELAY_HTTP_PORT"]]
+    assert env["TORCHRELAY_HTTP_HOST"] == "0.0.0.0"
+    compose_port = compose["x-torchrelay-env"]["TORCHRELAY_HTTP_PORT"]
+    config = checks.configmap_data(k8s_docs, "torchrelay-config")
+    k8s_port = config["TORCHRELAY_HTTP_PORT"]
+    assert env["TORCHRELAY_HTTP_PORT"] == compose_port == k8s_port
+
+
+def test_default_command_is_an_entry_point() -> None:
+    cmd = [args for word, args in _instructions() if word == "CMD"]
+    assert len(cmd) == 1
+    argv = json.loads(cmd[0])  # exec form: signals reach Python, not a shell
+    assert checks.entry_point_problem(argv) is None, checks.entry_point_problem(argv)
+
+
+def test_everything_copied_exists_and_is_not_dockerignored() -> None:
+    patterns = checks.dockerignore_patterns(checks.DOCKERIGNORE.read_text())
+    sources = []
+    for word, args in _instructions():
+        if word == "COPY" and not args.startswith("--from"):
+            sources += args.split()[:-1]
+    assert sources
+    for src in sources:
+        assert (checks.REPO / src).exists(), f"Dockerfile copies {src}, which does not exist"
+        assert not checks.is_dockerignored(src.rstrip("/"), patterns), f"{src} is dockerignored"
+
+
+def test_dockerignore_keeps_secrets_and_local_state_out_of_the_build_context() -> None:
+    patterns = checks.dockerignore_patterns(checks.DOCKERIGNORE.read_text())
+    for path in (".env", ".git", ".venv", ".torchrelay", "libs/torchrelay/__pycache__"):
+        assert checks.is_dockerignored(path, patterns), f"{path} would be sent to the build"
+    assert not checks.is_dockerignored("libs/torchrelay/bus.py", patterns)
+
+
+def test_image_tag_is_the_package_version_everywhere(
+    compose: dict[str, Any], k8s_docs: list[dict[str, Any]], kustomization: dict[str, Any]
+) -> None:
+    images = {svc["image"] for svc in checks.compose_torchrelay_services(compose).values()}
+    images |= {c["image"] for _, _, c in checks.k8s_torchrelay_containers(k8s_docs)}
+    assert images == {checks.expected_image()}
+    assert kustomization["images"] == [
+        {"name": checks.IMAGE_REPOSITORY, "newTag": checks.package_version()}
+    ]
+    assert f"-t {checks.expected_image()}" in checks.DOCKERFILE.read_text()

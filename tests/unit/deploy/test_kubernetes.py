@@ -1,0 +1,119 @@
+"""deploy/kubernetes/ (a kustomize base) against the code; kustomize itself is not installed,
+so the resources are read as listed in kustomization.yaml."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.deploy import checks
+from torchrelay.contract import SERVICES
+from torchrelay.runtime import find_nats_server
+
+
+def test_kustomization_lists_every_manifest_and_each_parses() -> None:
+    assert checks.kustomization_problems(checks.K8S_DIR) == []
+
+
+def test_every_workload_selects_its_own_pods(k8s_docs: list[dict[str, Any]]) -> None:
+    assert checks.selector_problems(k8s_docs) == []
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_is_a_deployment_running_what_torchrelay_up_runs(
+    k8s_docs: list[dict[str, Any]], service: str
+) -> None:
+    commands = [
+        checks.as_argv(c.get("command")) + checks.as_argv(c.get("args"))
+        for _, wl, c in checks.k8s_torchrelay_containers(k8s_docs)
+        if wl["kind"] == "Deployment"
+    ]
+    up_argv = checks.up_service_argv(service)
+    assert ["python", *up_argv[1:]] in commands, f"no Deployment runs {up_argv[1:]}"
+    argv = ["python", *up_argv[1:]]
+    assert checks.entry_point_problem(argv) is None, checks.entry_point_problem(argv)
+
+
+def test_every_container_command_is_an_entry_point(k8s_docs: list[dict[str, Any]]) -> None:
+    problems = []
+    for where, _, c in checks.k8s_torchrelay_containers(k8s_docs):
+        problem = checks.entry_point_problem(
+            checks.as_argv(c.get("command")) + checks.as_argv(c.get("args"))
+        )
+        if problem:
+            problems.append(f"{where}: {problem}")
+    assert problems == []
+
+
+def test_images_env_ports_and_probes_agree_with_the_settings(
+    k8s_docs: list[dict[str, Any]], known_env: frozenset[str], kustomization: dict[str, Any]
+) -> None:
+    assert checks.k8s_problems(k8s_docs, known_env, kustomization) == []
+
+
+def test_services_select_pods_and_the_api_is_reachable(k8s_docs: list[dict[str, Any]]) -> None:
+    assert checks.k8s_service_problems(k8s_docs) == []
+
+
+def test_secret_has_placeholders_only_and_configmap_no_secrets(
+    k8s_docs: list[dict[str, Any]],
+) -> None:
+    assert checks.k8s_secret_problems(k8s_docs) == []
+
+
+def test_nats_credentials_file_is_mounted_where_the_setting_says(
+    k8s_docs: list[dict[str, Any]],
+) -> None:
+    assert checks.k8s_credentials_mount_problems(k8s_docs) == []
+
+
+def test_nats_is_a_three_server_jetstream_cluster_with_r3_and_fsync_always(
+    k8s_docs: list[dict[str, Any]],
+) -> None:
+    assert checks.k8s_nats_problems(k8s_docs) == []
+
+
+def test_redis_is_one_primary_with_aof_always_on_a_volume(k8s_docs: list[dict[str, Any]]) -> None:
+    assert checks.k8s_redis_problems(k8s_docs) == []
+
+
+def test_the_placeholder_operator_token_is_refused_in_production(
+    k8s_docs: list[dict[str, Any]],
+) -> None:
+    from services.api.settings import operator_token_problem
+
+    secret = next(d for d in k8s_docs if d["kind"] == "Secret")
+    problem = operator_token_problem(secret["stringData"]["operator-token"])
+    assert problem is not None
+    assert "placeholder" in problem
+
+
+@pytest.mark.parametrize("config", ["compose", "kubernetes"])
+def test_nats_server_accepts_the_configuration(
+    k8s_docs: list[dict[str, Any]], tmp_path: Path, config: str
+) -> None:
+    """The real nats-server (the one `torchrelay up` runs) parses each config (-t)."""
+    if config == "compose":
+        conf = checks.NATS_CONF
+    else:
+        text = next(
+            d
+            for d in k8s_docs
+            if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config"
+        )["data"]["nats.conf"]
+        conf = tmp_path / "nats.conf"
+        conf.write_text(text)
+    env = {"NATS_USER": "u", "NATS_PASSWORD": "p", "POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [str(find_nats_server()), "-c", str(conf), "-t"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
