@@ -1,0 +1,400 @@
+"""The spare-pool service in-process on real NATS and Redis: its RPC verbs, events and sweeper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from nats.aio.msg import Msg
+
+from services.spare_pool.service import SparePoolSettings, setup
+from torchrelay.bus import Bus, RpcFailed
+from torchrelay.contract import (
+    Heartbeat,
+    JobFinished,
+    NodeHealth,
+    NodeHealthChanged,
+    SparePoolLow,
+    SpareQuarantined,
+    SpareReleased,
+    Subjects,
+    make_event_id,
+)
+from torchrelay.service import serve_service
+
+DEADLINE_S = 20.0
+
+
+class Pool:
+    """A running spare-pool service and a client bus to talk to it."""
+
+    def __init__(self, bus: Bus, http_port: int) -> None:
+        self.bus = bus
+        self.http_port = http_port
+
+    async def rpc(self, verb: str, body: dict[str, Any], timeout: float = 10.0) -> Any:
+        return await self.bus.request(Subjects.rpc("spare_pool", verb), body, timeout=timeout)
+
+    async def error(self, verb: str, body: dict[str, Any]) -> RpcFailed:
+        with pytest.raises(RpcFailed) as caught:
+            await self.rpc(verb, body)
+        return caught.value
+
+    async def metrics(self) -> str:
+        def fetch() -> str:
+            url = f"http://127.0.0.1:{self.http_port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return str(resp.read().decode())
+
+        return await asyncio.to_thread(fetch)
+
+
+@pytest.fixture
+async def start_pool(
+    nats_url: str, redis_url: str, redis: aioredis.Redis, bus: Bus
+) -> AsyncIterator[Callable[..., Awaitable[Pool]]]:
+    """Start the service in this process with settings overrides; stopped at the end."""
+    del redis  # flushed before the service starts; the bus fixture purged the streams
+    stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def start(**overrides: Any) -> Pool:
+        settings = SparePoolSettings(
+            nats_url=nats_url,
+            redis_url=redis_url,
+            environment="test",
+            log_level="WARNING",
+            connect_timeout_s=5.0,
+            **overrides,
+        )
+        stop = asyncio.Event()
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(
+            serve_service(
+                "spare_pool",
+                setup,
+                settings,
+                stop=stop,
+                on_ready=lambda port: ready.done() or ready.set_result(port),
+            )
+        )
+        stops.append((stop, task))
+        done, _ = await asyncio.wait({ready, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if ready not in done:
+            if task.done():
+                task.result()
+            raise AssertionError("the spare pool did not become ready within 30 s")
+        return Pool(bus, ready.result())
+
+    yield start
+    for stop, task in stops:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 15)
+
+
+class EventTap:
+    """Every event published on one subject since the stream was purged."""
+
+    def __init__(self) -> None:
+        self.payloads: list[dict[str, Any]] = []
+        self._sub: Any = None
+
+    @classmethod
+    async def start(cls, bus: Bus, subject: str) -> EventTap:
+        tap = cls()
+
+        async def on_msg(msg: Msg) -> None:
+            tap.payloads.append(json.loads(msg.data))
+
+        tap._sub = await bus.js.subscribe(subject, cb=on_msg, ordered_consumer=True)
+        return tap
+
+    async def wait(
+        self, what: str, predicate: Callable[[dict[str, Any]], bool] = bool, count: int = 1
+    ) -> list[dict[str, Any]]:
+        async def enough() -> list[dict[str, Any]] | None:
+            found = [p for p in self.payloads if predicate(p)]
+            return found if len(found) >= count else None
+
+        return await until(enough, what)
+
+
+async def until(
+    predicate: Callable[[], Awaitable[Any]], what: str, timeout: float = DEADLINE_S
+) -> Any:
+    """Poll until ``predicate`` returns something truthy; fail naming ``what``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def slot_body(node: str, gpu: int = 0, **extra: Any) -> dict[str, Any]:
+    body = {
+        "cluster": "local",
+        "node": node,
+        "gpu": gpu,
+        "gpu_model": "H100",
+        "memory_mb": 80_000,
+        "nvlink_domain": f"nvl-{node}",
+        "rack": "rack-1",
+        "zone": "z1",
+    }
+    body.update(extra)
+    return body
+
+
+async def test_200_concurrent_rpc_reservations_over_50_spares_give_exactly_50_leases(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus
+) -> None:
+    pool = await start_pool()
+    reserved = await EventTap.start(bus, Subjects.SPARE_RESERVED)
+    for i in range(50):
+        await pool.rpc("register", slot_body(f"n{i // 8}", i % 8))
+
+    async def reserve(k: int) -> dict[str, Any] | RpcFailed:
+        try:
+            result: dict[str, Any] = await pool.rpc(
+                "reserve", {"job_id": f"job{k}", "cluster": "local"}, timeout=60
+            )
+            return result
+        except RpcFailed as exc:
+            return exc
+
+    replies = await asyncio.gather(*(reserve(k) for k in range(200)))
+    leases = [r for r in replies if isinstance(r, dict)]
+    refused = [r for r in replies if isinstance(r, RpcFailed)]
+    assert len(leases) == 50
+    assert len({r["slot"]["slot_id"] for r in leases}) == 50
+    assert len(refused) == 150
+    assert {r.error.code for r in refused} == {"not_found"}
+    assert "no spare fits" in refused[0].error.message
+    page = await pool.rpc("list", {"state": "reserved", "limit": 1000})
+    assert len(page["items"]) == 50
+    events = await reserved.wait("50 SpareReserved events", count=50)
+    assert {e["lease_id"] for e in events} == {r["lease_id"] for r in leases}
+    assert all(e["event_id"] == make_event_id("spare_reserved", e["lease_id"]) for e in events)
+
+
+_DOOMED_CLIENT = """
+import asyncio, os, signal, sys
+from torchrelay.bus import Bus
+from torchrelay.contract import Subjects
+
+async def main():
+    bus = await Bus.connect(sys.argv[1], "doomed-executor")
+    lease = await bus.request(Subjects.rpc("spare_pool", "reserve"),
+                              {"job_id": "j1", "cluster": "local", "lease_s": 1.0}, timeout=10)
+    print(lease["lease_id"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # dies before it can confirm
+
+asyncio.run(main())
+"""
+
+
+async def test_a_client_that_dies_between_reserve_and_confirm_loses_no_spare(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus, nats_url: str
+) -> None:
+    pool = await start_pool(spare_sweep_interval_s=0.1)
+    released = await EventTap.start(bus, Subjects.SPARE_RELEASED)
+    await pool.rpc("register", slot_body("n1"))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _DOOMED_CLIENT, nats_url, stdout=subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == -9
+    lease_id = out.decode().strip()
+    assert lease_id
+    # The lease runs out unconfirmed: the sweeper gives the spare back by itself.
+    events = await released.wait(
+        "the dead client's lease to expire", lambda e: e["lease_id"] == lease_id
+    )
+    assert "expired" in events[0]["reason"]
+    slot = await pool.rpc("get", {"slot_id": "local:n1:0"})
+    assert slot["state"] == "idle"
+    assert [h["to"] for h in slot["history"]] == ["idle", "reserved", "idle"]
+    late = await pool.error("confirm", {"lease_id": lease_id})
+    assert late.error.code == "conflict"
+    again = await pool.rpc("reserve", {"job_id": "j2", "cluster": "local"})
+    assert again["slot"]["slot_id"] == "local:n1:0"
+
+
+async def test_errors_name_the_problem_and_the_service_keeps_serving(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus
+) -> None:
+    pool = await start_pool()
+    await pool.rpc("register", slot_body("n1"))
+
+    missing_job = await pool.error("reserve", {"cluster": "local"})
+    assert (missing_job.error.code, missing_job.error.field) == ("invalid", "job_id")
+    model = await pool.error("reserve", {"job_id": "j1", "cluster": "local", "gpu_model": "B200"})
+    assert (model.error.code, model.error.field) == ("not_found", "gpu_model")
+    assert "B200" in model.error.message
+    assert "H100" in model.error.message
+    unknown_slot = await pool.error("get", {"slot_id": "local:ghost:0"})
+    assert (unknown_slot.error.code, unknown_slot.error.field) == ("not_found", "slot_id")
+    unknown_node = await pool.error("quarantine", {"node": "ghost", "reason": "xid 79"})
+    assert (unknown_node.error.code, unknown_node.error.field) == ("not_found", "node")
+    assert "ghost" in unknown_node.error.message
+    not_there = await pool.error("return", {"node": "nowhere"})
+    assert (not_there.error.code, not_there.error.field) == ("not_found", "node")
+    bad_state = await pool.error("register", slot_body("n2", state="in_use"))
+    assert (bad_state.error.code, bad_state.error.field) == ("invalid", "state")
+    no_node = await pool.error("register", {"gpu": 0})
+    assert no_node.error.code == "invalid"
+    assert no_node.error.field in ("slot_id", "node")
+    no_lease = await pool.error("confirm", {"lease_id": "nope"})
+    assert (no_lease.error.code, no_lease.error.field) == ("not_found", "lease_id")
+    no_reason = await pool.error("quarantine", {"node": "n1"})
+    assert (no_reason.error.code, no_reason.error.field) == ("invalid", "reason")
+    garbage = await bus.nc.request(Subjects.rpc("spare_pool", "reserve"), b"{not json", timeout=10)
+    reply = json.loads(garbage.data)
+    assert not reply["ok"]
+    assert "JSON" in reply["error"]["message"]
+    # Still serving.
+    lease = await pool.rpc("reserve", {"job_id": "j1", "cluster": "local"})
+    assert lease["slot"]["slot_id"] == "local:n1:0"
+    assert lease["tier"] == "any"
+
+
+async def test_lemon_nodes_are_skipped_and_a_finished_job_lets_its_hot_spares_go(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus
+) -> None:
+    pool = await start_pool()
+    await pool.rpc("register", slot_body("lemon"))
+    await pool.rpc("register", slot_body("good", state="hot", job_id="j1", member_id="j1-s0"))
+    await pool.rpc("register", slot_body("good", 1, state="hot", job_id="j1", member_id="j1-s1"))
+    await bus.publish(
+        NodeHealthChanged(
+            event_id="health-lemon-1",
+            source="detector",
+            cluster="local",
+            node="lemon",
+            health=NodeHealth.LEMON,
+            lemon_score=0.97,
+            reason="3 faults in 24 h",
+        ),
+        Subjects.NODE_HEALTH,
+    )
+
+    async def lemon_marked() -> bool:
+        slot = await pool.rpc("get", {"slot_id": "local:lemon:0"})
+        return bool(slot["excluded_by"].get("health") == "lemon")
+
+    await until(lemon_marked, "the detector's lemon verdict to reach the pool")
+    refused = await pool.error("reserve", {"job_id": "j2", "cluster": "local"})
+    assert refused.error.code == "not_found"
+    assert "lemon" in refused.error.message
+    await bus.publish(
+        JobFinished(
+            event_id="finished-j1", source="launcher", job_id="j1", tenant="t", outcome="succeeded"
+        ),
+        Subjects.JOB_FINISHED,
+    )
+
+    async def hot_gone() -> bool:
+        page = await pool.rpc("list", {"cluster": "local"})
+        return [s["slot_id"] for s in page["items"]] == ["local:lemon:0"]
+
+    await until(hot_gone, "the finished job's hot spares to leave the pool")
+
+
+async def test_a_hot_spare_that_stops_heartbeating_leaves_the_pool(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus
+) -> None:
+    pool = await start_pool(
+        spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=1.0, spare_heartbeat_timeout_s=1.0
+    )
+    for i in range(2):
+        await pool.rpc(
+            "register", slot_body("n1", i, state="hot", job_id="j1", member_id=f"j1-s{i}")
+        )
+    stop = asyncio.Event()
+
+    async def beat() -> None:  # only j1-s0 is alive
+        n = 0
+        while not stop.is_set():
+            n += 1
+            await bus.publish_core(
+                Subjects.heartbeat("j1"),
+                Heartbeat(
+                    event_id=f"hb-{n}",
+                    source="agent",
+                    job_id="j1",
+                    member_id="j1-s0",
+                    generation=0,
+                    step=-1,
+                    kind="liveness",
+                    node="n1",
+                    gpu=0,
+                    pid=1,
+                ),
+            )
+            await asyncio.sleep(0.2)
+
+    beater = asyncio.create_task(beat())
+    try:
+
+        async def silent_one_gone() -> bool:
+            try:
+                await pool.rpc("get", {"slot_id": "local:n1:1"})
+            except RpcFailed as exc:
+                return "stopped heartbeating" in exc.error.message
+            return False
+
+        await until(silent_one_gone, "the silent hot spare to leave the pool")
+        # Both were registered together, so the grace is over for both: beats keep j1-s0.
+        alive = await pool.rpc("get", {"slot_id": "local:n1:0"})
+        assert alive["state"] == "hot"
+    finally:
+        stop.set()
+        await beater
+
+
+async def test_quarantine_revokes_leases_publishes_and_pool_low_fires_below_the_floor(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus
+) -> None:
+    pool = await start_pool(spare_floor="*=2")
+    quarantined = await EventTap.start(bus, Subjects.SPARE_QUARANTINED)
+    released = await EventTap.start(bus, Subjects.SPARE_RELEASED)
+    low = await EventTap.start(bus, Subjects.SPARE_POOL_LOW)
+    for node, gpu in (("a", 0), ("a", 1), ("b", 0)):
+        await pool.rpc("register", slot_body(node, gpu, nvlink_domain="nvl-0"))
+    assert await pool.rpc("depth", {"cluster": "local"}) == [
+        {"cluster": "local", "nvlink_domain": "nvl-0", "available": 3, "floor": 2, "low": False}
+    ]
+    lease = await pool.rpc("reserve", {"job_id": "j1", "cluster": "local", "near_node": "a"})
+    assert lease["slot"]["node"] == "b"  # same domain, but not the node that failed
+    q = await pool.rpc("quarantine", {"node": "b", "reason": "xid 79", "cluster": "local"})
+    assert q["revoked_leases"] == [lease["lease_id"]]
+    await quarantined.wait("SpareQuarantined", lambda e: e["slot_id"] == "local:b:0")
+    await released.wait("the revoked lease", lambda e: e["lease_id"] == lease["lease_id"])
+    revoked = await pool.error("confirm", {"lease_id": lease["lease_id"]})
+    assert revoked.error.code == "conflict"
+    await pool.rpc("reserve", {"job_id": "j1", "cluster": "local"})
+    events = await low.wait("SparePoolLow for nvl-0")
+    assert SparePoolLow.model_validate(events[0]).available == 1
+    assert events[0]["floor"] == 2
+    metrics = await pool.metrics()
+    assert 'spares_available{cluster="local",nvlink_domain="nvl-0"} 1.0' in metrics
+    # A slot registered on the quarantined node is quarantined too, until it is returned.
+    registered = await pool.rpc("register", slot_body("b", 1, nvlink_domain="nvl-0"))
+    assert registered["slot"]["state"] == "quarantined"
+    returned = await pool.rpc("return", {"node": "b"})
+    assert sorted(s["slot_id"] for s in returned["returned"]) == ["local:b:0", "local:b:1"]
+    assert (await pool.rpc("depth", {}))[0]["available"] == 3
+    assert SpareQuarantined.model_validate(quarantined.payloads[0]).state == "quarantined"
+    assert SpareReleased.model_validate(released.payloads[0]).slot_id == "local:b:0"
