@@ -195,6 +195,8 @@ class SagaRunner:
             "cluster": state.terms.cluster,
             "near_node": state.failed_node,
             "lease_s": self.lease_s,
+            # A reservation retried after a crash gets the same lease back.
+            "request_id": make_event_id("reserve", state.migration_id, state.attempt),
         }
         try:
             result = await self._request(Subjects.rpc("spare_pool", "reserve"), payload)
@@ -258,7 +260,7 @@ class SagaRunner:
                 saga.fail(state, Resolution.LOST, now, "the job has no generation")
             )
         current, revision = found
-        if current.migration_id == state.migration_id:
+        if _written_by(current, state, state.spare_member):
             # Written before a crash: announce it again (same event id) and go on.
             await self.bus.publish(changed_event(current, SOURCE), Subjects.GENERATION_CHANGED)
             return await self._after_publish(state, current, now)
@@ -293,7 +295,8 @@ class SagaRunner:
                 reason=state.fault_kind.value,
             )
         except GenerationError as exc:
-            return await self._save(saga.fail(state, Resolution.LOST, now, str(exc)))
+            # The spare cannot take the rank (it already holds one): hand it back, try another.
+            return await self._save(saga.timed_out(state, now, self.timing, str(exc)))
         try:
             await self.bus.put_generation(nxt, revision)
         except StaleRevision:
@@ -402,7 +405,7 @@ class SagaRunner:
             self.log.warning("fence of %s not confirmed: %s", member_id, exc)
 
     async def _fence(self, state: SagaState, now: datetime) -> SagaState | None:
-        for member in dict.fromkeys([state.failed_member, state.holder_member]):
+        for member in saga.members_to_fence(state):
             await self._fence_member(state, member)
         return await self._save(saga.fenced(state, now))
 
@@ -454,7 +457,7 @@ class SagaRunner:
                 saga.fail(state, Resolution.LOST, now, "the job has no generation")
             )
         current, revision = found
-        if current.migration_id == state.migration_id:
+        if _written_by(current, state, None):
             await self.bus.publish(changed_event(current, SOURCE), Subjects.GENERATION_CHANGED)
             return await self._save(saga.shrunk(state, current, now))
         joined = await self.store.joined(state.job_id)
@@ -515,6 +518,20 @@ class SagaRunner:
         member = state.to_fence[0]
         await self._fence_member(state, member)
         return await self._save(saga.compensated(state, fenced_member=member))
+
+
+def _written_by(current: Generation, state: SagaState, newcomer: str | None) -> bool:
+    """True if ``current`` is the generation this attempt of the saga writes.
+
+    An earlier attempt of the same migration also wrote a generation with its id, so the
+    id alone is not enough: the holder must have departed and the newcomer (or, for a
+    shrink, nobody) hold the rank.
+    """
+    if current.migration_id != state.migration_id or state.holder_member not in current.departing:
+        return False
+    if newcomer is None:
+        return current.member_rank(state.holder_member) is None
+    return current.member_rank(newcomer) == state.rank
 
 
 def _lease(result: Any) -> Lease | None:

@@ -153,6 +153,7 @@ class SagaState(BaseModel):
     to_release: list[str] = Field(default_factory=list)
     to_quarantine: list[SlotRef] = Field(default_factory=list)
     to_fence: list[str] = Field(default_factory=list)
+    fenced_members: list[str] = Field(default_factory=list)  # fenced by a compensation
     history: list[dict[str, Any]] = Field(default_factory=list)
     created_at: datetime
     updated_at: datetime
@@ -171,7 +172,10 @@ def _move(
     }
     if note:
         entry["note"] = note
-    history = [*state.history, entry][-MAX_HISTORY:]
+    last = state.history[-1] if state.history else {}
+    repeated = last.get("phase") == entry["phase"] and last.get("note") == entry.get("note")
+    # A poll that finds nothing new (waiting for a spare) does not grow the history.
+    history = state.history if repeated else [*state.history, entry][-MAX_HISTORY:]
     fields: dict[str, Any] = {
         "phase": phase,
         "phase_since": now,
@@ -419,8 +423,17 @@ def compensated(
             "to_release": [x for x in state.to_release if x != released],
             "to_quarantine": [x for x in state.to_quarantine if x != quarantined_slot],
             "to_fence": [x for x in state.to_fence if x != fenced_member],
+            "fenced_members": [*state.fenced_members, fenced_member]
+            if fenced_member
+            else state.fenced_members,
         }
     )
+
+
+def members_to_fence(state: SagaState) -> list[str]:
+    """Who the FENCE phase tells the launcher to kill: the replaced members not yet fenced."""
+    wanted = dict.fromkeys([state.failed_member, state.holder_member])
+    return [m for m in wanted if m not in state.fenced_members]
 
 
 def waiting_for(state: SagaState, now: datetime) -> bool:

@@ -1,0 +1,497 @@
+"""Test harness: the scheduler and executor in-process, agents and launcher simulated.
+
+The agents are played by the test (JOINED / RESUMED reports, reading the generations KV) so
+these tests need no torch. The spare pool is a small in-memory responder of its RPC verbs
+(``SimSparePool``) that speaks the contract's shapes; the real service is used where it is
+importable (``real_spare_pool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from nats.js.api import DeliverPolicy
+
+from services.migration_executor.service import ExecutorSettings
+from services.migration_executor.service import setup as executor_setup
+from services.scheduler.service import setup as scheduler_setup
+from torchrelay.bus import Bus, NotFound
+from torchrelay.contract import (
+    AgentReport,
+    Event,
+    FaultAction,
+    FaultDetected,
+    FaultKind,
+    FenceOrder,
+    Generation,
+    IncidentClosed,
+    JobPolicy,
+    JobRegistered,
+    Member,
+    ReportKind,
+    Role,
+    Severity,
+    SpareSlot,
+    Subjects,
+    make_event_id,
+    model_for_subject,
+)
+from torchrelay.service import serve_service
+from torchrelay.settings import ServiceSettings
+
+DEADLINE_S = 30.0
+
+
+async def wait_until(
+    check: Callable[[], Awaitable[Any]], timeout: float = DEADLINE_S, what: str = "condition"
+) -> Any:
+    """Poll ``check`` until it returns something truthy, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+class EventTap:
+    """Every durable event published during the test, in stream order."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._sub: Any = None
+
+    async def start(self, bus: Bus) -> None:
+        async def on_msg(msg: Any) -> None:
+            model = model_for_subject(msg.subject)
+            if model is not None:
+                with contextlib.suppress(Exception):
+                    self.events.append(model.model_validate_json(msg.data))
+
+        self._sub = await bus.js.subscribe(
+            Subjects.EVENTS_ALL, cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    def of(self, kind: type[Event], **match: Any) -> list[Any]:
+        return [
+            e
+            for e in self.events
+            if isinstance(e, kind) and all(getattr(e, k) == v for k, v in match.items())
+        ]
+
+    async def wait(self, kind: type[Event], timeout: float = DEADLINE_S, **match: Any) -> Any:
+        async def check() -> Any:
+            found = self.of(kind, **match)
+            return found[0] if found else None
+
+        return await wait_until(check, timeout, f"{kind.__name__} {match}")
+
+
+@dataclass
+class SimSparePool:
+    """The spare pool's RPC verbs over an in-memory inventory (contract shapes)."""
+
+    slots: dict[str, SpareSlot] = field(default_factory=dict)
+    leases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def add(self, slot: SpareSlot) -> None:
+        self.slots[slot.slot_id] = slot
+
+    async def serve(self, bus: Bus) -> None:
+        for verb in ("register", "reserve", "confirm", "release", "quarantine"):
+            await bus.serve("spare_pool", verb, getattr(self, verb))
+
+    async def register(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("register", body))
+        slot = SpareSlot.model_validate(body)
+        self.add(slot)
+        return slot.model_dump(mode="json")
+
+    async def reserve(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("reserve", body))
+        job_id = body["job_id"]
+        for lease_id, lease in self.leases.items():
+            if lease["request_id"] and lease["request_id"] == body.get("request_id"):
+                return {
+                    "lease_id": lease_id,
+                    "slot": lease["slot"],
+                    "expires_at": lease["expires_at"],
+                }
+        free = [
+            s
+            for s in self.slots.values()
+            if (s.state == "hot" and s.job_id == job_id) or s.state == "idle"
+        ]
+        free.sort(key=lambda s: (s.state != "hot", s.node == body.get("near_node"), s.slot_id))
+        if not free:
+            raise NotFound(f"no spare for job {job_id} in cluster {body.get('cluster')}", "cluster")
+        slot = free[0]
+        self.slots[slot.slot_id] = slot.model_copy(update={"state": "reserved"})
+        lease_id = uuid.uuid4().hex
+        expires = datetime.now(UTC) + timedelta(seconds=float(body.get("lease_s", 30)))
+        self.leases[lease_id] = {
+            "slot": slot.model_dump(mode="json"),
+            "state": "leased",
+            "request_id": body.get("request_id"),
+            "previous": slot.state,
+            "expires_at": expires.isoformat(),
+        }
+        return {
+            "lease_id": lease_id,
+            "slot": slot.model_dump(mode="json"),
+            "expires_at": expires.isoformat(),
+        }
+
+    async def confirm(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("confirm", body))
+        lease = self.leases.get(body["lease_id"])
+        if lease is None:
+            raise NotFound("no such lease", "lease_id")
+        lease["state"] = "confirmed"
+        slot_id = lease["slot"]["slot_id"]
+        self.slots[slot_id] = self.slots[slot_id].model_copy(update={"state": "in_use"})
+        return {"lease_id": body["lease_id"], "state": "confirmed"}
+
+    async def release(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("release", body))
+        lease = self.leases.get(body["lease_id"])
+        if lease is None:
+            raise NotFound("no such lease", "lease_id")
+        if lease["state"] == "leased":
+            lease["state"] = "released"
+            slot_id = lease["slot"]["slot_id"]
+            self.slots[slot_id] = self.slots[slot_id].model_copy(
+                update={"state": lease["previous"]}
+            )
+        return {"lease_id": body["lease_id"], "state": lease["state"]}
+
+    async def quarantine(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("quarantine", body))
+        hit = [
+            s
+            for s in self.slots.values()
+            if s.node == body["node"] and body.get("gpu") in (None, s.gpu)
+        ]
+        for slot in hit:
+            self.slots[slot.slot_id] = slot.model_copy(update={"state": "quarantined"})
+        return {
+            "node": body["node"],
+            "gpu": body.get("gpu"),
+            "quarantined": [s.slot_id for s in hit],
+        }
+
+    def verbs(self, verb: str) -> list[dict[str, Any]]:
+        return [b for v, b in self.calls if v == verb]
+
+    def open_leases(self) -> list[str]:
+        """Leases neither confirmed nor released: a leak, once the saga is over."""
+        return [lid for lid, lease in self.leases.items() if lease["state"] == "leased"]
+
+
+@dataclass
+class SimJob:
+    """A job whose agents and launcher are played by the test."""
+
+    bus: Bus
+    job_id: str
+    world_size: int = 4
+    spares: int = 1
+    policy: JobPolicy = JobPolicy.WAIT
+    wait_timeout_s: float = 60.0
+    allow_shrink: bool = False
+    tenant: str = "acme"
+    fences: list[FenceOrder] = field(default_factory=list)
+    spawned: list[dict[str, Any]] = field(default_factory=list)
+    auto_join_spawned: bool = True
+    _next_spare: int = 0
+
+    def worker(self, i: int) -> Member:
+        # Workers round-robin over local-0 and local-1; spares live on local-2.
+        return Member(
+            member_id=f"{self.job_id}-w{i}",
+            role=Role.WORKER,
+            node=f"local-{i % 2}",
+            gpu=i // 2,
+            pid=1000 + i,
+        )
+
+    def spare(self, j: int) -> Member:
+        return Member(
+            member_id=f"{self.job_id}-s{j}", role=Role.SPARE, node="local-2", gpu=j, pid=2000 + j
+        )
+
+    def spare_slot(self, j: int) -> SpareSlot:
+        m = self.spare(j)
+        return SpareSlot(
+            slot_id=f"local:{m.node}:{m.gpu}",
+            node=m.node,
+            gpu=m.gpu,
+            state="hot",
+            job_id=self.job_id,
+            member_id=m.member_id,
+        )
+
+    async def serve_launcher(self) -> None:
+        """Answer fence orders and spawn_spare requests like the launcher would."""
+
+        async def fence(msg: Any) -> None:
+            self.fences.append(FenceOrder.model_validate_json(msg.data))
+            await msg.respond(b'{"ok": true, "result": {"killed": true}}')
+
+        async def spawn(msg: Any) -> None:
+            import json
+
+            body = json.loads(msg.data)
+            j = self.spares + len(self.spawned)
+            member_id = f"{self.job_id}-s{j}"
+            self.spawned.append({**body, "member_id": member_id})
+            await msg.respond(json.dumps({"ok": True, "result": {"member_id": member_id}}).encode())
+            if self.auto_join_spawned:
+                await self.joined(
+                    Member(
+                        member_id=member_id,
+                        role=Role.SPARE,
+                        node=body["node"],
+                        gpu=body["gpu"],
+                        pid=3000 + j,
+                    )
+                )
+
+        await self.bus.nc.subscribe(Subjects.fence(self.job_id), cb=fence)
+        await self.bus.nc.subscribe(Subjects.launcher(self.job_id, "spawn_spare"), cb=spawn)
+
+    async def register(self) -> None:
+        members = [self.worker(i) for i in range(self.world_size)] + [
+            self.spare(j) for j in range(self.spares)
+        ]
+        await self.bus.publish(
+            JobRegistered(
+                event_id=make_event_id("job", self.job_id),
+                source="launcher",
+                job_id=self.job_id,
+                tenant=self.tenant,
+                world_size=self.world_size,
+                spares=self.spares,
+                policy=self.policy,
+                wait_timeout_s=self.wait_timeout_s,
+                allow_shrink=self.allow_shrink,
+                launcher_id="test",
+                members=members,
+            ),
+            Subjects.JOB_REGISTERED,
+        )
+
+    async def joined(self, m: Member) -> None:
+        await self.bus.publish(
+            AgentReport(
+                event_id=make_event_id("joined", m.member_id),
+                source="agent",
+                job_id=self.job_id,
+                member_id=m.member_id,
+                kind=ReportKind.JOINED,
+                role=m.role,
+                node=m.node,
+                gpu=m.gpu,
+                pid=m.pid,
+                store_addr=f"127.0.0.1:{40000 + (m.pid or 0)}",
+            ),
+            Subjects.agent_report(self.job_id),
+        )
+
+    async def generation(self, at_least: int, timeout: float = DEADLINE_S) -> Generation:
+        async def check() -> Generation | None:
+            got = await self.bus.get_generation(self.job_id)
+            return got[0] if got and got[0].generation >= at_least else None
+
+        gen: Generation = await wait_until(
+            check, timeout, f"generation {at_least} of {self.job_id}"
+        )
+        return gen
+
+    async def resumed(
+        self,
+        gen: Generation,
+        figures: dict[str, dict[str, Any]] | None = None,
+        only: set[str] | None = None,
+    ) -> None:
+        """Every rank of ``gen`` reports RESUMED (with the given figures per member)."""
+        for a in gen.ranks:
+            if only is not None and a.member_id not in only:
+                continue
+            f = (figures or {}).get(a.member_id, {})
+            await self.bus.publish(
+                AgentReport(
+                    event_id=make_event_id("resumed", a.member_id, gen.generation),
+                    source="agent",
+                    job_id=self.job_id,
+                    member_id=a.member_id,
+                    kind=ReportKind.RESUMED,
+                    rank=a.rank,
+                    generation=gen.generation,
+                    step=f.get("step", 10),
+                    stall_ms=f.get("stall_ms", 0.0),
+                    lost_steps=f.get("lost_steps", 0),
+                    bytes_received=f.get("bytes_received", 0),
+                    node=a.node,
+                    gpu=a.gpu,
+                ),
+                Subjects.agent_report(self.job_id),
+            )
+
+    async def start(self) -> Generation:
+        """Register, join every member and resume generation 1: a running job."""
+        await self.serve_launcher()
+        await self.register()
+        for i in range(self.world_size):
+            await self.joined(self.worker(i))
+        for j in range(self.spares):
+            await self.joined(self.spare(j))
+        gen = await self.generation(1)
+        await self.resumed(gen)
+        return gen
+
+    def fault(
+        self,
+        kind: FaultKind = FaultKind.WORKER_LOST,
+        *,
+        rank: int | None = None,
+        node: str | None = None,
+        gpu: int | None = None,
+        severity: Severity = Severity.FATAL,
+        action: FaultAction = FaultAction.MIGRATE_NOW,
+        with_job: bool = True,
+        fault_id: str | None = None,
+    ) -> FaultDetected:
+        member = self.worker(rank) if rank is not None else None
+        fid = fault_id or make_event_id(
+            kind.value, self.job_id, member.member_id if member else node, gpu
+        )
+        return FaultDetected(
+            event_id=make_event_id("fault", fid),
+            source="detector",
+            fault_id=fid,
+            cluster="local",
+            node=node or (member.node if member else "local-0"),
+            gpu=gpu if gpu is not None else (member.gpu if member else None),
+            job_id=self.job_id if with_job and member else None,
+            rank=rank if with_job else None,
+            member_id=member.member_id if with_job and member else None,
+            kind=kind,
+            severity=severity,
+            action=action,
+        )
+
+
+@contextlib.asynccontextmanager
+async def control_plane(
+    nats_url: str,
+    redis_url: str,
+    *,
+    scheduler: bool = True,
+    executor: bool = True,
+    **executor_overrides: Any,
+) -> AsyncIterator[None]:
+    """The scheduler and the executor running in this process until the block ends."""
+    common = {
+        "nats_url": nats_url,
+        "redis_url": redis_url,
+        "environment": "test",
+        "log_level": "WARNING",
+        "connect_timeout_s": 5.0,
+    }
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+    ready: list[asyncio.Event] = []
+
+    def start(name: str, setup: Any, settings: ServiceSettings) -> None:
+        flag = asyncio.Event()
+        ready.append(flag)
+        tasks.append(
+            asyncio.create_task(
+                serve_service(name, setup, settings, stop=stop, on_ready=lambda _port: flag.set())
+            )
+        )
+
+    if scheduler:
+        start("scheduler", scheduler_setup, ServiceSettings(**common))
+    if executor:
+        timing = {
+            "resume_timeout_s": 10.0,
+            "join_timeout_s": 10.0,
+            "reserve_timeout_s": 5.0,
+            "retry_s": 0.2,
+            "poll_s": 0.05,
+            "rpc_timeout_s": 2.0,
+        }
+        timing.update(executor_overrides)
+        start("migration_executor", executor_setup, ExecutorSettings(**common, **timing))
+    try:
+        for flag, task in zip(ready, tasks, strict=True):
+            waiter = asyncio.create_task(flag.wait())
+            done, _ = await asyncio.wait(
+                {waiter, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED
+            )
+            if task in done:
+                waiter.cancel()
+                task.result()  # raises the service's start-up error
+            assert waiter in done, "service did not become ready in 30 s"
+        yield
+    finally:
+        stop.set()
+        for task in tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 15)
+
+
+def executor_process(nats_url: str, redis_url: str, **env: str) -> subprocess.Popen[bytes]:
+    """``python -m services.migration_executor`` as its own process."""
+    full = dict(os.environ)
+    full.update(
+        {
+            "NATS_URL": nats_url,
+            "REDIS_URL": redis_url,
+            "TORCHRELAY_ENVIRONMENT": "test",
+            "TORCHRELAY_LOG_LEVEL": "WARNING",
+            "TORCHRELAY_POLL_S": "0.05",
+            "TORCHRELAY_RETRY_S": "0.2",
+            "TORCHRELAY_RESUME_TIMEOUT_S": "20",
+        }
+    )
+    full.update(env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.migration_executor"],
+        env=full,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+async def incident_closed(
+    tap: EventTap,
+    job_id: str,
+    timeout: float = DEADLINE_S,
+) -> IncidentClosed:
+    async def check() -> IncidentClosed | None:
+        found = [e for e in tap.of(IncidentClosed) if e.incident.job_id == job_id]
+        return found[0] if found else None
+
+    closed: IncidentClosed = await wait_until(check, timeout, f"IncidentClosed of {job_id}")
+    return closed

@@ -1,0 +1,379 @@
+"""A fault becomes an incident, a migration, a new generation and a closed incident.
+
+Real NATS and Redis; scheduler and executor in-process; agents, launcher and spare pool
+simulated by the test (see harness.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from torchrelay.bus import Bus
+from torchrelay.contract import (
+    FaultAction,
+    FaultKind,
+    GenerationChanged,
+    IncidentClosed,
+    IncidentOpened,
+    JobPolicy,
+    MigrationCompleted,
+    MigrationFailed,
+    MigrationMode,
+    MigrationRequested,
+    Resolution,
+    Severity,
+    SpareSlot,
+    Subjects,
+)
+
+from .harness import EventTap, SimJob, SimSparePool, control_plane, incident_closed, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def tap(bus: Bus) -> AsyncIterator[EventTap]:
+    t = EventTap()
+    await t.start(bus)
+    yield t
+    await t.stop()
+
+
+@pytest.fixture
+async def pool(nats_url: str) -> AsyncIterator[SimSparePool]:
+    p = SimSparePool()
+    b = await Bus.connect(nats_url, "spare_pool")
+    await p.serve(b)
+    yield p
+    await b.close()
+
+
+SURVIVOR_FIGURES = {
+    "j1-w0": {"stall_ms": 41.0, "lost_steps": 1},
+    "j1-w2": {"stall_ms": 57.0, "lost_steps": 1},
+    "j1-w3": {"stall_ms": 38.0, "lost_steps": 0},
+    "j1-s0": {"stall_ms": 5000.0, "lost_steps": 0, "bytes_received": 4096},
+}
+
+
+async def test_worker_lost_migrates_live_to_the_hot_spare(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j1")
+    pool.add(job.spare_slot(0))
+    async with control_plane(nats_url, redis_url):
+        gen1 = await job.start()
+        assert [a.member_id for a in gen1.ranks] == ["j1-w0", "j1-w1", "j1-w2", "j1-w3"]
+        assert gen1.store_member == "j1-w0"
+
+        await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        assert gen2.ranks[1].member_id == "j1-s0"
+        assert (gen2.ranks[1].node, gen2.ranks[1].gpu) == ("local-2", 0)
+        assert gen2.departing == ["j1-w1"]
+        assert gen2.mode == MigrationMode.IMMEDIATE
+        assert gen2.store_member == "j1-w0"
+        await job.resumed(gen2, SURVIVOR_FIGURES)
+
+        closed = await incident_closed(tap, "j1")
+        inc = closed.incident
+        assert inc.resolution == Resolution.MIGRATED_LIVE
+        assert inc.stall_ms == 57.0  # the survivors' longest stall, not the spare's start-up
+        assert inc.lost_steps == 1
+        assert inc.bytes_moved == 4096
+        assert (inc.generation_before, inc.generation_after) == (1, 2)
+        assert (inc.rank, inc.node, inc.gpu) == (1, "local-1", 0)
+
+        done = tap.of(MigrationCompleted)
+        assert len(done) == 1
+        assert (done[0].to_node, done[0].to_gpu) == ("local-2", 0)
+        assert [f.member_id for f in job.fences] == ["j1-w1"]
+        assert len(pool.verbs("confirm")) == 1
+        assert pool.open_leases() == []
+        assert [(q["node"], q["gpu"]) for q in pool.verbs("quarantine")] == [("local-1", 0)]
+        assert len(tap.of(IncidentOpened)) == 1
+        assert {e.generation for e in tap.of(GenerationChanged, job_id="j1")} == {1, 2}
+
+
+async def test_row_remap_warning_moves_at_the_boundary(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j2")
+    pool.add(job.spare_slot(0))
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        # An XID 63 on the GPU of rank 3 (local-1, gpu 1): a node-agent fault, no job named.
+        warn = job.fault(
+            FaultKind.ROW_REMAP_PENDING,
+            node="local-1",
+            gpu=1,
+            severity=Severity.WARNING,
+            action=FaultAction.MIGRATE_AT_BOUNDARY,
+        )
+        await bus.publish(warn, Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        assert gen2.mode == MigrationMode.BOUNDARY
+        assert gen2.ranks[3].member_id == "j2-s0"
+        await job.resumed(gen2)
+        inc = (await incident_closed(tap, "j2")).incident
+        assert inc.resolution == Resolution.MIGRATED_PROACTIVE
+        assert inc.lost_steps == 0
+        assert inc.fault_kind == FaultKind.ROW_REMAP_PENDING
+
+
+async def test_drain_moves_every_rank_off_the_node(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j3", spares=2)
+    pool.add(job.spare_slot(0))
+    pool.add(job.spare_slot(1))
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        reply = await bus.request(Subjects.rpc("scheduler", "drain"), {"node": "local-1"})
+        assert sorted(r["rank"] for r in reply["ranks"]) == [1, 3]
+        # One migration at a time per job: each generation answers once everyone resumed.
+        gen2 = await job.generation(2)
+        assert gen2.mode == MigrationMode.BOUNDARY
+        await job.resumed(gen2)
+        gen3 = await job.generation(3)
+        await job.resumed(gen3)
+        assert {a.node for a in gen3.ranks} == {"local-0", "local-2"}
+
+        async def both_closed() -> bool:
+            return len(tap.of(MigrationCompleted, job_id="j3")) == 2
+
+        await wait_until(both_closed, what="two completed migrations")
+        closed = await _closed(tap, "j3", 2)
+        assert {c.incident.resolution for c in closed} == {Resolution.MIGRATED_PROACTIVE}
+        assert {c.incident.fault_kind for c in closed} == {FaultKind.PLANNED_DRAIN}
+        assert pool.verbs("quarantine") == []  # a drained slot is healthy: not quarantined
+        assert sorted(f.member_id for f in job.fences) == ["j3-w1", "j3-w3"]
+
+
+async def _closed(tap: EventTap, job_id: str, n: int) -> list[Any]:
+    async def check() -> list[IncidentClosed] | None:
+        found = [e for e in tap.of(IncidentClosed) if e.incident.job_id == job_id]
+        return found if len(found) >= n else None
+
+    result: list[Any] = await wait_until(check, what=f"{n} closed incidents of {job_id}")
+    return result
+
+
+async def test_no_spare_with_checkpoint_restart_policy_falls_back(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j4", spares=0, policy=JobPolicy.CHECKPOINT_RESTART)
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=2), Subjects.FAULT_DETECTED)
+        failed = await tap.wait(MigrationFailed, job_id="j4")
+        assert failed.fallback == Resolution.CHECKPOINT_RESTART
+        inc = (await incident_closed(tap, "j4")).incident
+        assert inc.resolution == Resolution.CHECKPOINT_RESTART
+        assert (await bus.get_generation("j4"))[0].generation == 1  # type: ignore[index]
+        assert tap.of(MigrationCompleted) == []
+
+
+async def test_wait_policy_uses_a_spare_registered_during_the_wait(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j5", spares=0, policy=JobPolicy.WAIT, wait_timeout_s=30)
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=0), Subjects.FAULT_DETECTED)
+
+        async def asked_twice() -> bool:
+            return len(pool.verbs("reserve")) >= 2  # it found none and keeps asking
+
+        await wait_until(asked_twice, what="repeated reservations during the wait")
+        # An operator brings a spare: the launcher registers it, its agent joins.
+        spare = job.spare(0)
+        await bus.request(
+            Subjects.rpc("spare_pool", "register"), job.spare_slot(0).model_dump(mode="json")
+        )
+        await job.joined(spare)
+        gen2 = await job.generation(2)
+        assert gen2.ranks[0].member_id == "j5-s0"
+        assert gen2.store_member == "j5-w1"  # the store left the failed rank 0
+        await job.resumed(gen2, {"j5-w1": {"stall_ms": 1200.0}})
+        inc = (await incident_closed(tap, "j5")).incident
+        assert inc.resolution == Resolution.MIGRATED_LIVE
+        assert inc.stall_ms == 1200.0
+
+
+async def test_wait_policy_gives_up_after_its_bound(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j5b", spares=0, policy=JobPolicy.WAIT, wait_timeout_s=1.0)
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=0), Subjects.FAULT_DETECTED)
+        inc = (await incident_closed(tap, "j5b")).incident
+        assert inc.resolution == Resolution.CHECKPOINT_RESTART
+
+
+async def test_shrink_policy_writes_a_smaller_generation(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j6", spares=0, policy=JobPolicy.SHRINK, allow_shrink=True)
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        assert gen2.world_size == 3
+        assert [a.member_id for a in gen2.ranks] == ["j6-w0", "j6-w2", "j6-w3"]
+        inc = (await incident_closed(tap, "j6")).incident
+        assert inc.resolution == Resolution.SHRUNK
+        assert inc.generation_after == 2
+
+
+async def test_spare_that_never_resumes_is_replaced_by_the_next(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j7", spares=2)
+    pool.add(job.spare_slot(0))
+    pool.add(job.spare_slot(1))
+    async with control_plane(nats_url, redis_url, resume_timeout_s=1.5):
+        await job.start()
+        await bus.publish(job.fault(rank=2), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        first = gen2.ranks[2].member_id
+        # The survivors resume; the spare never does (it died on the way).
+        await job.resumed(gen2, only={a.member_id for a in gen2.ranks} - {first})
+        gen3 = await job.generation(3)
+        second = gen3.ranks[2].member_id
+        assert second not in (first, "j7-w2")
+        assert gen3.departing == [first]
+        await job.resumed(gen3)
+        inc = (await incident_closed(tap, "j7")).incident
+        assert inc.resolution == Resolution.MIGRATED_LIVE
+        assert (inc.generation_before, inc.generation_after) == (2, 3)
+        assert len(pool.verbs("release")) == 1
+        assert pool.open_leases() == []
+        assert sorted(f.member_id for f in job.fences) == sorted([first, "j7-w2"])
+
+
+async def test_cold_slot_is_started_by_the_launcher(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j8", spares=0)
+    pool.add(SpareSlot(slot_id="local:local-3:0", node="local-3", gpu=0, state="idle"))
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=3), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        assert job.spawned == [
+            {"node": "local-3", "gpu": 0, "slot_id": "local:local-3:0", "member_id": "j8-s0"}
+        ]
+        assert gen2.ranks[3].member_id == "j8-s0"
+        await job.resumed(gen2)
+        assert (await incident_closed(tap, "j8")).incident.resolution == Resolution.MIGRATED_LIVE
+
+
+async def test_application_error_is_recorded_not_migrated(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j9")
+    pool.add(job.spare_slot(0))
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(
+            job.fault(FaultKind.APPLICATION_ERROR, rank=0, action=FaultAction.RECORD),
+            Subjects.FAULT_DETECTED,
+        )
+        inc = (await incident_closed(tap, "j9")).incident
+        assert inc.resolution == Resolution.EXCLUDED
+        assert tap.of(MigrationRequested) == []
+        assert pool.verbs("reserve") == []
+
+
+async def test_repeated_requests_and_faults_start_one_migration(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SimSparePool,
+) -> None:
+    job = SimJob(bus, "j10", spares=2)
+    pool.add(job.spare_slot(0))
+    pool.add(job.spare_slot(1))
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        fault = job.fault(rank=1)
+        await bus.publish(fault, Subjects.FAULT_DETECTED)
+        request = await tap.wait(MigrationRequested, job_id="j10")
+        gen2 = await job.generation(2)
+        # The same request again under a new message id (a scheduler retry past the
+        # duplicate window), and the same fault re-sent, and another fault on the member.
+        await bus.publish(
+            request.model_copy(update={"event_id": "again-1"}), Subjects.MIGRATION_REQUESTED
+        )
+        await bus.publish(fault.model_copy(update={"event_id": "again-2"}), Subjects.FAULT_DETECTED)
+        await job.resumed(gen2)
+        await incident_closed(tap, "j10")
+        sagas = await bus.request(
+            Subjects.rpc("migration_executor", "saga_list"), {"job_id": "j10"}
+        )
+        assert len(sagas["items"]) == 1
+        assert sagas["items"][0]["phase"] == "done"
+        assert len(tap.of(MigrationRequested, job_id="j10")) == 2  # the original + our copy
+        assert len(tap.of(MigrationCompleted, job_id="j10")) == 1
+        assert len(pool.verbs("reserve")) == 1
+        assert (await bus.get_generation("j10"))[0].generation == 2  # type: ignore[index]
+        incidents = await bus.request(Subjects.rpc("scheduler", "incident_list"), {"job_id": "j10"})
+        assert len(incidents["items"]) == 1
