@@ -356,7 +356,7 @@ class SimJob:
                 Subjects.agent_report(self.job_id),
             )
 
-    async def start(self) -> Generation:
+    async def start(self, timeout: float = DEADLINE_S) -> Generation:
         """Register, join every member and resume generation 1: a running job."""
         await self.serve_launcher()
         await self.register()
@@ -364,7 +364,7 @@ class SimJob:
             await self.joined(self.worker(i))
         for j in range(self.spares):
             await self.joined(self.spare(j))
-        gen = await self.generation(1)
+        gen = await self.generation(1, timeout)
         await self.resumed(gen)
         return gen
 
