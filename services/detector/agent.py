@@ -70,6 +70,7 @@ class NodeAgent:
         self.subject = Subjects.telemetry(cluster, node)
         self._halt = threading.Event()
         self._poll_now = asyncio.Event()
+        self.ready = asyncio.Event()  # set once polling and the chaos subscription run
         self.published_batches = 0
 
     @property
@@ -159,6 +160,7 @@ class NodeAgent:
             ",".join(b.name for b in self.backends),
             self.interval_s,
         )
+        self.ready.set()
         try:
             while not stop.is_set():
                 await self.poll_once()

@@ -8,7 +8,6 @@ Handlers are thin: they decode, update the owner's state, call the pure rules of
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from datetime import UTC, datetime
@@ -256,25 +255,26 @@ class Detector:
             )
             return
         node_key = (batch.cluster, batch.node)
+        # A sample of another node inside this node's batch is not this agent's to say.
+        samples = [s for s in batch.samples if s.node == batch.node and s.cluster == batch.cluster]
+        self.m_samples.inc(len(samples))
         latest = self.latest.get(node_key)
+        is_new = latest is None
         if latest is None:
             latest = self.latest[node_key] = {}
-            self.dirty.add(node_key)
-            await self._flush_inventory()  # a new node counts for the breaker at once
+        if not batch.critical:
+            for s in samples:
+                latest[s.gpu] = s
         self.dirty.add(node_key)
-        for s in batch.samples:
-            if s.node != batch.node or s.cluster != batch.cluster:
-                continue  # a sample of another node inside this node's batch: not its to say
+        if is_new:
+            await self._flush_inventory()  # a new node counts for the breaker at once
+        for s in samples:
             key = (s.cluster, s.node, s.gpu)
             w = self.gpus.get(key)
             if w is None:
                 w = self.gpus[key] = GpuWindows(self.cfg)
-            findings = evaluate_sample(w, s, self.cfg)
-            if not batch.critical:
-                latest[s.gpu] = s
-            for f in findings:
+            for f in evaluate_sample(w, s, self.cfg):
                 await self._gpu_finding(s, f.kind, f.signal, f.evidence)
-        self.m_samples.inc(len(batch.samples))
 
     async def _gpu_finding(
         self, s: TelemetrySample, kind: FaultKind, signal: str, evidence: dict[str, Any]
@@ -502,6 +502,22 @@ class Detector:
                 return int(a["rank"])
         return None
 
+    async def _assignment(
+        self, job_id: str, member_id: str, rank: int | None, node: str, gpu: int
+    ) -> tuple[int, str, int] | None:
+        """(rank, node, gpu) of a member in the newest generation.
+
+        The report's own values for a job the detector never saw registered; None when the
+        member holds no rank (a spare, or a member fenced out by a newer generation).
+        """
+        got = await self.jobs.ranks(job_id)
+        if got is None:
+            return None if rank is None else (rank, node, gpu)
+        for a in got[1]:
+            if a["member_id"] == member_id:
+                return int(a["rank"]), str(a["node"]), int(a["gpu"])
+        return None
+
     async def _member_silent(self, job_id: str, m: MemberProgress, now: float) -> None:
         if (
             await self.jobs.finished(job_id)
@@ -705,16 +721,17 @@ class Detector:
                 return
             if await self.jobs.app_error(r.job_id) or await self.jobs.finished(r.job_id):
                 return  # killed by the launcher after the job failed or finished
-            rank = await self._current_rank(r.job_id, r.member_id, r.rank)
-            if rank is None:
+            slot = await self._assignment(r.job_id, r.member_id, r.rank, r.node, r.gpu)
+            if slot is None:
                 return  # a spare, or a member that no longer holds a rank
+            rank, node, gpu = slot
             await self._worker_lost(
                 r.job_id,
                 r.member_id,
                 rank,
-                r.cluster,
-                r.node,
-                r.gpu,
+                await self.jobs.cluster_of(r.job_id),
+                node,
+                gpu,
                 at,
                 {"signal": "worker_exit", "exit_code": code, "error": (r.error or "")[:500]},
             )
@@ -906,8 +923,6 @@ async def setup(ctx: ServiceContext) -> None:
     detector = Detector(ctx, settings)
     await detector.start()
     ctx.readiness["detector"] = "ok"
-    with contextlib.suppress(AttributeError):
-        ctx.detector = detector  # type: ignore[attr-defined]  # for in-process tests
 
 
 __all__ = ["Detector", "DetectorSettings", "setup"]

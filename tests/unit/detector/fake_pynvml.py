@@ -51,11 +51,18 @@ def healthy_values() -> dict[Any, Any]:
         "nvmlDeviceGetPowerUsage": 312_500,  # milliwatts
         "nvmlDeviceGetEnforcedPowerLimit": 700_000,
         "nvmlDeviceGetTotalEccErrors": 0,
-        ("nvmlDeviceGetTotalEccErrors", real.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-         real.NVML_AGGREGATE_ECC): 17,
+        (
+            "nvmlDeviceGetTotalEccErrors",
+            real.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+            real.NVML_AGGREGATE_ECC,
+        ): 17,
         "nvmlDeviceGetMemoryErrorCounter": 0,
-        ("nvmlDeviceGetMemoryErrorCounter", real.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-         real.NVML_AGGREGATE_ECC, real.NVML_MEMORY_LOCATION_DRAM): 17,
+        (
+            "nvmlDeviceGetMemoryErrorCounter",
+            real.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+            real.NVML_AGGREGATE_ECC,
+            real.NVML_MEMORY_LOCATION_DRAM,
+        ): 17,
         "nvmlDeviceGetRetiredPages": [],
         "nvmlDeviceGetRetiredPagesPendingStatus": 0,
         "nvmlDeviceGetRemappedRows": (2, 0, 0, 0),
@@ -92,8 +99,9 @@ class _Events:
         self.registered: dict[int, int] = {}
 
 
-def make_module(gpus: list[FakeGpu], *, init_error: type[Exception] | None = None
-                ) -> types.ModuleType:
+def make_module(
+    gpus: list[FakeGpu], *, init_error: type[Exception] | None = None
+) -> types.ModuleType:
     """A module object that the backend imports as ``pynvml``."""
     m = types.ModuleType("pynvml")
     for name in dir(real):
@@ -126,17 +134,28 @@ def make_module(gpus: list[FakeGpu], *, init_error: type[Exception] | None = Non
             if name == "nvmlDeviceGetNvLinkState" and value is None:
                 raise real.NVMLError_InvalidArgument()
             return value
+
         fn.__name__ = name
         return fn
 
-    for name in ("nvmlDeviceGetName", "nvmlDeviceGetTemperature",
-                 "nvmlDeviceGetTemperatureThreshold", "nvmlDeviceGetMarginTemperature",
-                 "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit",
-                 "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetMemoryErrorCounter",
-                 "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus",
-                 "nvmlDeviceGetRemappedRows", "nvmlDeviceGetUnrepairableMemoryFlag_v1",
-                 "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetViolationStatus",
-                 "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetNvLinkState"):
+    for name in (
+        "nvmlDeviceGetName",
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetTemperatureThreshold",
+        "nvmlDeviceGetMarginTemperature",
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetMemoryErrorCounter",
+        "nvmlDeviceGetRetiredPages",
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+        "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetUnrepairableMemoryFlag_v1",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetViolationStatus",
+        "nvmlDeviceGetPcieReplayCounter",
+        "nvmlDeviceGetNvLinkState",
+    ):
         setattr(m, name, getter(name))
     m.nvmlDeviceGetCurrentClocksThrottleReasons = m.nvmlDeviceGetCurrentClocksEventReasons
 
@@ -167,15 +186,25 @@ def make_module(gpus: list[FakeGpu], *, init_error: type[Exception] | None = Non
         if not es.queue:
             raise real.NVMLError_Timeout()
         gpu, etype, edata = es.queue.popleft()
-        return types.SimpleNamespace(device=gpu, eventType=etype, eventData=edata,
-                                     gpuInstanceId=0, computeInstanceId=0)
+        return types.SimpleNamespace(
+            device=gpu, eventType=etype, eventData=edata, gpuInstanceId=0, computeInstanceId=0
+        )
 
     def nvmlEventSetFree(es: _Events) -> None:
         return None
 
-    for fn in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
-               nvmlDeviceGetIndex, nvmlDeviceGetFieldValues, nvmlEventSetCreate,
-               nvmlDeviceGetSupportedEventTypes, nvmlDeviceRegisterEvents, nvmlEventSetWait_v2,
-               nvmlEventSetFree):
+    for fn in (
+        nvmlInit,
+        nvmlShutdown,
+        nvmlDeviceGetCount,
+        nvmlDeviceGetHandleByIndex,
+        nvmlDeviceGetIndex,
+        nvmlDeviceGetFieldValues,
+        nvmlEventSetCreate,
+        nvmlDeviceGetSupportedEventTypes,
+        nvmlDeviceRegisterEvents,
+        nvmlEventSetWait_v2,
+        nvmlEventSetFree,
+    ):
         setattr(m, fn.__name__, fn)
     return m

@@ -25,11 +25,13 @@ def test_reads_every_signal_of_a_healthy_gpu() -> None:
     assert (s.gpu, s.backend, s.gpu_model) == (1, "nvml", "NVIDIA H100 80GB HBM3")
     assert (s.temperature_c, s.temp_slowdown_c, s.temp_shutdown_c) == (61, 87, 92)
     assert s.memory_temperature_c == 58
-    assert s.extra["temp_mem_max_c"] == 95 and s.extra["temp_margin_c"] == 26
+    assert s.extra["temp_mem_max_c"] == 95
+    assert s.extra["temp_margin_c"] == 26
     assert (s.power_w, s.power_limit_w) == (312.5, 700.0)
     assert (s.ecc_volatile_corrected, s.ecc_volatile_uncorrected) == (0, 0)
     assert (s.ecc_aggregate_corrected, s.ecc_aggregate_uncorrected) == (17, 0)
-    assert s.extra["ecc_agg_corr_dram"] == 17 and s.extra["ecc_vol_unc_l2"] == 0
+    assert s.extra["ecc_agg_corr_dram"] == 17
+    assert s.extra["ecc_vol_unc_l2"] == 0
     assert (s.remapped_rows_correctable, s.remapped_rows_uncorrectable) == (2, 0)
     assert (s.remap_pending, s.remap_failure, s.unrepairable_memory) == (False, False, False)
     assert s.retired_pages == 0
@@ -39,16 +41,20 @@ def test_reads_every_signal_of_a_healthy_gpu() -> None:
     assert (s.nvlink_down_links, s.extra["nvlink_links"]) == (0, 4)
     assert (s.nvlink_crc_errors, s.nvlink_replay_errors, s.nvlink_recovery_errors) == (5, 0, 0)
     assert s.recovery_action == 0
-    assert s.gpu_lost is None and s.reset_required is None
+    assert s.gpu_lost is None
+    assert s.reset_required is None
     assert evaluate_sample(GpuWindows(DetectorConfig()), s, DetectorConfig()) == []
 
 
 def test_clock_event_reasons_decode_to_slowdown_flags() -> None:
     b, fakes = backend(1)
     fakes[0].values["nvmlDeviceGetCurrentClocksEventReasons"] = (
-        real.nvmlClocksEventReasonHwSlowdown | real.nvmlClocksEventReasonHwThermalSlowdown)
+        real.nvmlClocksEventReasonHwSlowdown | real.nvmlClocksEventReasonHwThermalSlowdown
+    )
     s = b.read()[0]
-    assert s.hw_slowdown and s.hw_thermal_slowdown and not s.sw_thermal_slowdown
+    assert s.hw_slowdown
+    assert s.hw_thermal_slowdown
+    assert not s.sw_thermal_slowdown
 
 
 def test_not_supported_loses_only_that_field_and_is_not_asked_again() -> None:
@@ -57,8 +63,10 @@ def test_not_supported_loses_only_that_field_and_is_not_asked_again() -> None:
     fakes[0].errors["nvmlDeviceGetRemappedRows"] = real.NVMLError_NotSupported
     first = b.read()[0]
     b.read()
-    assert first.temperature_c is None and first.remap_pending is None
-    assert first.power_w == 312.5 and first.temp_slowdown_c == 87  # the others are there
+    assert first.temperature_c is None
+    assert first.remap_pending is None
+    assert first.power_w == 312.5
+    assert first.temp_slowdown_c == 87
     assert first.gpu_lost is None
     assert fakes[0].calls["nvmlDeviceGetTemperature"] == 1  # remembered as unsupported
     assert fakes[0].calls["nvmlDeviceGetPowerUsage"] == 2
@@ -69,8 +77,10 @@ def test_gpu_is_lost_on_one_field_marks_the_sample_and_keeps_the_rest() -> None:
     fakes[1].errors["nvmlDeviceGetPowerUsage"] = real.NVMLError_GpuIsLost
     s0, s1 = b.read()
     assert s0.gpu_lost is None
-    assert s1.gpu_lost is True and s1.power_w is None
-    assert s1.temperature_c == 61 and s1.pcie_replay_count == 3
+    assert s1.gpu_lost is True
+    assert s1.power_w is None
+    assert s1.temperature_c == 61
+    assert s1.pcie_replay_count == 3
     assert fakes[1].calls["nvmlDeviceGetPowerUsage"] == 1
     b.read()
     assert fakes[1].calls["nvmlDeviceGetPowerUsage"] == 2  # lost is not "unsupported"
@@ -82,7 +92,8 @@ def test_reset_required_is_reported() -> None:
     b, fakes = backend(1)
     fakes[0].errors["nvmlDeviceGetTotalEccErrors"] = real.NVMLError_ResetRequired
     s = b.read()[0]
-    assert s.reset_required is True and s.ecc_volatile_uncorrected is None
+    assert s.reset_required is True
+    assert s.ecc_volatile_uncorrected is None
     assert s.temperature_c == 61
 
 
@@ -90,17 +101,23 @@ def test_other_nvml_errors_lose_one_field_only() -> None:
     b, fakes = backend(1)
     fakes[0].errors["nvmlDeviceGetPcieReplayCounter"] = real.NVMLError_Unknown
     s = b.read()[0]
-    assert s.pcie_replay_count is None and s.extra["read_errors"] == 1
-    assert s.gpu_lost is None and s.temperature_c == 61
+    assert s.pcie_replay_count is None
+    assert s.extra["read_errors"] == 1
+    assert s.gpu_lost is None
+    assert s.temperature_c == 61
 
 
 def test_field_values_are_handled_per_entry() -> None:
     b, fakes = backend(1)
     fakes[0].fields[real.NVML_FI_DEV_MEMORY_TEMP] = (real.NVML_ERROR_NOT_SUPPORTED, 0)
     fakes[0].fields[real.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION] = (
-        real.NVML_SUCCESS, real.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+        real.NVML_SUCCESS,
+        real.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+    )
     fakes[0].fields[real.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL] = (
-        real.NVML_ERROR_GPU_IS_LOST, 0)
+        real.NVML_ERROR_GPU_IS_LOST,
+        0,
+    )
     s = b.read()[0]
     assert s.memory_temperature_c is None
     assert s.recovery_action == real.NVML_GPU_RECOVERY_ACTION_GPU_RESET
@@ -155,14 +172,16 @@ def test_nvml_that_cannot_initialise_says_which_and_why() -> None:
     with pytest.raises(BackendUnavailable) as info:
         NvmlBackend("c", "n0", module=mod)
     assert info.value.backend == "nvml"
-    assert "Driver Not Loaded" in str(info.value) and "driver" in info.value.reason
+    assert "Driver Not Loaded" in str(info.value)
+    assert "driver" in info.value.reason
 
 
 def test_load_backend_imports_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     mod = make_module([make_gpu(0)])
     monkeypatch.setitem(sys.modules, "pynvml", mod)
     b = load_backend("nvml", "c", "n0")
-    assert b.name == "nvml" and b.gpu_count() == 1
+    assert b.name == "nvml"
+    assert b.gpu_count() == 1
     b.close()
     b.close()
     assert mod.state["shutdown"] == 1  # type: ignore[attr-defined]

@@ -35,8 +35,9 @@ T0 = 1_800_000_000.0
 
 
 def sample(ts: float = T0, **fields: Any) -> TelemetrySample:
-    return TelemetrySample(cluster="c", node="n0", gpu=0,
-                           ts=datetime.fromtimestamp(ts, UTC), **fields)
+    return TelemetrySample(
+        cluster="c", node="n0", gpu=0, ts=datetime.fromtimestamp(ts, UTC), **fields
+    )
 
 
 def kinds(findings: list[Any]) -> set[FaultKind]:
@@ -75,19 +76,31 @@ INSTANT_ROWS: list[tuple[dict[str, Any], FaultKind]] = [
 ]
 
 
-@pytest.mark.parametrize(("fields", "kind"), INSTANT_ROWS,
-                         ids=[f"{k.value}-{next(iter(f))}={next(iter(f.values()))}"
-                              for f, k in INSTANT_ROWS])
+@pytest.mark.parametrize(
+    ("fields", "kind"),
+    INSTANT_ROWS,
+    ids=[f"{k.value}-{next(iter(f))}={next(iter(f.values()))}" for f, k in INSTANT_ROWS],
+)
 def test_each_signal_maps_to_its_taxonomy_kind(fields: dict[str, Any], kind: FaultKind) -> None:
     found = evaluate_sample(GpuWindows(CFG), sample(**fields), CFG)
     assert kinds(found) == {kind}
 
 
 def test_a_healthy_sample_raises_nothing() -> None:
-    healthy = sample(temperature_c=60, temp_slowdown_c=87, ecc_volatile_uncorrected=0,
-                     ecc_volatile_corrected=3, remap_pending=False, pcie_replay_count=2,
-                     nvlink_crc_errors=5, nvlink_replay_errors=0, nvlink_recovery_errors=0,
-                     hw_slowdown=False, recovery_action=0, xid=None)
+    healthy = sample(
+        temperature_c=60,
+        temp_slowdown_c=87,
+        ecc_volatile_uncorrected=0,
+        ecc_volatile_corrected=3,
+        remap_pending=False,
+        pcie_replay_count=2,
+        nvlink_crc_errors=5,
+        nvlink_replay_errors=0,
+        nvlink_recovery_errors=0,
+        hw_slowdown=False,
+        recovery_action=0,
+        xid=None,
+    )
     assert evaluate_sample(GpuWindows(CFG), healthy, CFG) == []
 
 
@@ -98,18 +111,33 @@ def test_unknown_xid_is_not_a_fault() -> None:
 # Severity and action of every row (DESIGN.md §5 "action" column).
 EXPECTED = {
     FaultKind.GPU_LOST: (Severity.FATAL, FaultAction.MIGRATE_NOW, NodeHealth.QUARANTINED),
-    FaultKind.UNCORRECTABLE_MEMORY: (Severity.FATAL, FaultAction.MIGRATE_NOW,
-                                     NodeHealth.QUARANTINED),
+    FaultKind.UNCORRECTABLE_MEMORY: (
+        Severity.FATAL,
+        FaultAction.MIGRATE_NOW,
+        NodeHealth.QUARANTINED,
+    ),
     FaultKind.FIRMWARE_HANG: (Severity.FATAL, FaultAction.MIGRATE_NOW, NodeHealth.UNHEALTHY),
-    FaultKind.MEMORY_UNREPAIRABLE: (Severity.WARNING, FaultAction.QUARANTINE,
-                                    NodeHealth.QUARANTINED),
-    FaultKind.ROW_REMAP_PENDING: (Severity.WARNING, FaultAction.MIGRATE_AT_BOUNDARY,
-                                  NodeHealth.UNHEALTHY),
+    FaultKind.MEMORY_UNREPAIRABLE: (
+        Severity.WARNING,
+        FaultAction.QUARANTINE,
+        NodeHealth.QUARANTINED,
+    ),
+    FaultKind.ROW_REMAP_PENDING: (
+        Severity.WARNING,
+        FaultAction.MIGRATE_AT_BOUNDARY,
+        NodeHealth.UNHEALTHY,
+    ),
     FaultKind.NVLINK_FATAL: (Severity.FATAL, FaultAction.MIGRATE_NOW, NodeHealth.UNHEALTHY),
-    FaultKind.LINK_DEGRADED: (Severity.WARNING, FaultAction.MIGRATE_AT_BOUNDARY,
-                              NodeHealth.DEGRADED),
-    FaultKind.THERMAL_SLOWDOWN: (Severity.WARNING, FaultAction.MIGRATE_AT_BOUNDARY,
-                                 NodeHealth.DEGRADED),
+    FaultKind.LINK_DEGRADED: (
+        Severity.WARNING,
+        FaultAction.MIGRATE_AT_BOUNDARY,
+        NodeHealth.DEGRADED,
+    ),
+    FaultKind.THERMAL_SLOWDOWN: (
+        Severity.WARNING,
+        FaultAction.MIGRATE_AT_BOUNDARY,
+        NodeHealth.DEGRADED,
+    ),
     FaultKind.STRAGGLER: (Severity.WARNING, FaultAction.MIGRATE_AT_BOUNDARY, None),
     FaultKind.WORKER_LOST: (Severity.FATAL, FaultAction.MIGRATE_NOW, None),
     FaultKind.WORKER_HANG: (Severity.FATAL, FaultAction.MIGRATE_NOW, None),
@@ -132,9 +160,17 @@ def test_taxonomy_covers_every_detected_kind() -> None:
 # --------------------------------------------------------------------------- repeat escalation
 
 
-@pytest.mark.parametrize("kind", [FaultKind.FIRMWARE_HANG, FaultKind.ROW_REMAP_PENDING,
-                                  FaultKind.NVLINK_FATAL, FaultKind.THERMAL_SLOWDOWN,
-                                  FaultKind.LINK_DEGRADED], ids=lambda k: k.value)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        FaultKind.FIRMWARE_HANG,
+        FaultKind.ROW_REMAP_PENDING,
+        FaultKind.NVLINK_FATAL,
+        FaultKind.THERMAL_SLOWDOWN,
+        FaultKind.LINK_DEGRADED,
+    ],
+    ids=lambda k: k.value,
+)
 def test_a_hardware_fault_recurring_after_reset_goes_to_quarantine(kind: FaultKind) -> None:
     first, second = decide(kind, 1, CFG), decide(kind, 2, CFG)
     assert first.node_health != NodeHealth.QUARANTINED
@@ -143,8 +179,11 @@ def test_a_hardware_fault_recurring_after_reset_goes_to_quarantine(kind: FaultKi
     assert second.action == first.action  # the rank still moves as the first time said
 
 
-@pytest.mark.parametrize("kind", [FaultKind.WORKER_LOST, FaultKind.STRAGGLER,
-                                  FaultKind.APPLICATION_ERROR], ids=lambda k: k.value)
+@pytest.mark.parametrize(
+    "kind",
+    [FaultKind.WORKER_LOST, FaultKind.STRAGGLER, FaultKind.APPLICATION_ERROR],
+    ids=lambda k: k.value,
+)
 def test_software_faults_never_escalate(kind: FaultKind) -> None:
     assert not decide(kind, 5, CFG).escalated
     assert decide(kind, 5, CFG).node_health is None
@@ -210,10 +249,12 @@ def test_nvlink_crc_rate_over_threshold_is_link_degraded() -> None:
 
 def test_nvlink_replay_or_recovery_delta_is_fatal_but_history_is_not() -> None:
     w = GpuWindows(CFG)
-    assert evaluate_sample(w, sample(T0, nvlink_replay_errors=7, nvlink_recovery_errors=2),
-                           CFG) == []
-    found = evaluate_sample(w, sample(T0 + 1, nvlink_replay_errors=7,
-                                      nvlink_recovery_errors=3), CFG)
+    assert (
+        evaluate_sample(w, sample(T0, nvlink_replay_errors=7, nvlink_recovery_errors=2), CFG) == []
+    )
+    found = evaluate_sample(
+        w, sample(T0 + 1, nvlink_replay_errors=7, nvlink_recovery_errors=3), CFG
+    )
     assert kinds(found) == {FaultKind.NVLINK_FATAL}
 
 
@@ -230,27 +271,31 @@ def test_thermal_slowdown_needs_a_rate_not_one_blip() -> None:
     # 5 seconds of HW slowdown in ten minutes: 0.5/min, below gpud's 0.6/min.
     for i in range(600):
         slow = i % 120 == 0
-        found = evaluate_sample(w, sample(T0 + i, hw_slowdown=slow, temperature_c=70,
-                                          temp_slowdown_c=87), CFG)
+        found = evaluate_sample(
+            w, sample(T0 + i, hw_slowdown=slow, temperature_c=70, temp_slowdown_c=87), CFG
+        )
         assert FaultKind.THERMAL_SLOWDOWN not in kinds(found)
     # A steady slowdown crosses 0.6/min after six distinct seconds.
     fired_at = None
     for i in range(600, 700):
-        found = evaluate_sample(w, sample(T0 + i, hw_thermal_slowdown=True, temperature_c=87,
-                                          temp_slowdown_c=87), CFG)
+        found = evaluate_sample(
+            w, sample(T0 + i, hw_thermal_slowdown=True, temperature_c=87, temp_slowdown_c=87), CFG
+        )
         if kinds(found) == {FaultKind.THERMAL_SLOWDOWN}:
             fired_at = i
             assert found[0].evidence["margin_c"] == 0
             break
-    assert fired_at is not None and fired_at - 600 <= 6
+    assert fired_at is not None
+    assert fired_at - 600 <= 6
 
 
 def test_low_thermal_margin_counts_as_slowdown() -> None:
     w = GpuWindows(CFG)
     found: set[FaultKind] = set()
     for i in range(10):
-        found |= kinds(evaluate_sample(w, sample(T0 + i, temperature_c=86, temp_slowdown_c=87),
-                                       CFG))
+        found |= kinds(
+            evaluate_sample(w, sample(T0 + i, temperature_c=86, temp_slowdown_c=87), CFG)
+        )
     assert found == {FaultKind.THERMAL_SLOWDOWN}
 
 
@@ -277,8 +322,9 @@ def test_lemon_score_decays_and_accumulates() -> None:
 # --------------------------------------------------------------------------- heartbeats
 
 
-def member(mid: str, rank: int, last_seen: float, last_progress: float,
-           step: int = 10) -> MemberProgress:
+def member(
+    mid: str, rank: int, last_seen: float, last_progress: float, step: int = 10
+) -> MemberProgress:
     return MemberProgress(mid, rank, "n0", rank, "c", 1, step, last_seen, last_progress)
 
 
@@ -298,10 +344,10 @@ def test_hang_bound_is_learned_from_the_jobs_own_step_times() -> None:
 
 def test_alive_member_without_progress_past_the_bound_is_hung() -> None:
     bound = 10.0
-    members = {"a": member("a", 0, T0, T0 - 1, step=11),
-               "b": member("b", 1, T0, T0 - 11, step=10)}
+    members = {"a": member("a", 0, T0, T0 - 1, step=11), "b": member("b", 1, T0, T0 - 11, step=10)}
     hang = hung_members(members, bound, T0, CFG)
-    assert hang is not None and not hang.job_wide
+    assert hang is not None
+    assert not hang.job_wide
     assert [m.member_id for m in hang.stalled] == ["b"]
     assert hung_members(members, None, T0, CFG) is None  # no bound yet: no verdict
 
@@ -309,10 +355,13 @@ def test_alive_member_without_progress_past_the_bound_is_hung() -> None:
 def test_everyone_stalled_at_one_step_is_a_job_wide_hang() -> None:
     members = {m: member(m, i, T0, T0 - 30, step=10) for i, m in enumerate("abcd")}
     hang = hung_members(members, 10.0, T0, CFG)
-    assert hang is not None and hang.job_wide and len(hang.stalled) == 4
+    assert hang is not None
+    assert hang.job_wide
+    assert len(hang.stalled) == 4
     members["c"].step = 9  # the rank that never committed step 10 is the suspect
     hang = hung_members(members, 10.0, T0, CFG)
-    assert hang is not None and not hang.job_wide
+    assert hang is not None
+    assert not hang.job_wide
     assert [m.member_id for m in hang.stalled] == ["c"]
 
 
@@ -324,10 +373,13 @@ def test_a_silent_member_is_not_hung_it_is_lost() -> None:
 # --------------------------------------------------------------------------- straggler
 
 
-def step_times(ranks: int, slow: dict[int, float], noise: float, n: int,
-               rng: random.Random) -> dict[int, list[float]]:
-    return {r: [0.2 * slow.get(r, 1.0) * rng.uniform(1 - noise, 1 + noise) for _ in range(n)]
-            for r in range(ranks)}
+def step_times(
+    ranks: int, slow: dict[int, float], noise: float, n: int, rng: random.Random
+) -> dict[int, list[float]]:
+    return {
+        r: [0.2 * slow.get(r, 1.0) * rng.uniform(1 - noise, 1 + noise) for _ in range(n)]
+        for r in range(ranks)
+    }
 
 
 def test_a_rank_one_and_a_half_times_slower_for_a_sustained_window_is_flagged() -> None:
@@ -348,8 +400,7 @@ def test_a_slow_moment_that_does_not_last_is_not_flagged() -> None:
     tracker = StragglerTracker()
     tracker.update(straggler_ranks(step_times(4, {1: 1.5}, 0.1, 20, rng), CFG), T0, CFG)
     out = tracker.update(straggler_ranks(step_times(4, {}, 0.1, 20, rng), CFG), T0 + 3, CFG)
-    out = tracker.update(straggler_ranks(step_times(4, {1: 1.5}, 0.1, 20, rng), CFG),
-                         T0 + 6, CFG)
+    out = tracker.update(straggler_ranks(step_times(4, {1: 1.5}, 0.1, 20, rng), CFG), T0 + 6, CFG)
     assert out == {}
 
 
@@ -359,18 +410,19 @@ def test_two_rank_job_still_finds_its_straggler() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ranks=st.integers(min_value=2, max_value=64), seed=st.integers(0, 2**32 - 1),
-       n=st.integers(min_value=CFG.straggler_min_samples, max_value=40))
-def test_ten_percent_noise_on_every_rank_is_never_flagged(ranks: int, seed: int,
-                                                          n: int) -> None:
+@given(
+    ranks=st.integers(min_value=2, max_value=64),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(min_value=CFG.straggler_min_samples, max_value=40),
+)
+def test_ten_percent_noise_on_every_rank_is_never_flagged(ranks: int, seed: int, n: int) -> None:
     rng = random.Random(seed)
     assert straggler_ranks(step_times(ranks, {}, 0.10, n, rng), CFG) == {}
 
 
 @settings(max_examples=40, deadline=None)
 @given(ranks=st.integers(min_value=3, max_value=64), seed=st.integers(0, 2**32 - 1))
-def test_one_and_a_half_times_slower_is_always_seen_through_noise(ranks: int,
-                                                                  seed: int) -> None:
+def test_one_and_a_half_times_slower_is_always_seen_through_noise(ranks: int, seed: int) -> None:
     rng = random.Random(seed)
     slow = rng.randrange(ranks)
     assert list(straggler_ranks(step_times(ranks, {slow: 1.5}, 0.10, 20, rng), CFG)) == [slow]
