@@ -519,11 +519,16 @@ return cjson.encode({returned = returned})
 
 _HEARTBEAT = r"""
 -- ARGV: now, member_id, timeout_ms
-if redis.call('ZSCORE', P .. ':hb', ARGV[2]) then
-  redis.call('ZADD', P .. ':hb', ms(NOW + tonumber(ARGV[3])), ARGV[2])
-  return '1'
+local timeout = tonumber(ARGV[3])
+local deadline = redis.call('ZSCORE', P .. ':hb', ARGV[2])
+if not deadline then return '0' end
+-- Beats come twice a second: write only when the deadline moves by a quarter of the timeout,
+-- or when it is still the longer grace of a fresh registration.
+local d = tonumber(deadline)
+if d < NOW + timeout * 0.75 or d > NOW + timeout then
+  redis.call('ZADD', P .. ':hb', ms(NOW + timeout), ARGV[2])
 end
-return '0'
+return '1'
 """
 
 _SWEEP = r"""
@@ -1083,6 +1088,10 @@ class SpareInventory:
     async def heartbeat(self, member_id: str, timeout_s: float) -> bool:
         """A hot spare's heartbeat: push its deadline out. False if it is not tracked."""
         return bool(await self._run(self._s.heartbeat, member_id, int(timeout_s * 1000)))
+
+    async def tracked_members(self) -> set[str]:
+        """Members of hot spares whose heartbeats the pool watches."""
+        return {_str(m) for m in await self.redis.zrange(self.key("hb"), 0, -1)}
 
     async def sweep(self) -> SweepOutcome:
         """Expire due leases and drop hot spares whose heartbeats stopped."""

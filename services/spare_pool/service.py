@@ -92,6 +92,9 @@ class SparePool:
             self.floors = parse_floors(settings.spare_floor)
         except ValueError as exc:
             raise SettingsError(str(exc)) from exc
+        # Hot spares whose beats matter; refreshed by every sweep. Every job's heartbeats
+        # arrive here, and most are not from spares: they are dropped without a Redis call.
+        self._tracked: set[str] = set()
         registry = ctx.metrics.registry
         self.available = Gauge(
             "spares_available",
@@ -193,19 +196,17 @@ class SparePool:
     async def register(self, body: dict[str, Any]) -> dict[str, Any]:
         """``register``: a SpareSlot's fields; ``slot_id`` defaults to ``cluster:node:gpu``."""
         data = dict(body)
-        if (
-            not data.get("slot_id")
-            and isinstance(data.get("node"), str)
-            and isinstance(data.get("gpu"), int)
-        ):
-            data["slot_id"] = default_slot_id(
-                str(data.get("cluster") or "local"), data["node"], data["gpu"]
-            )
+        if not data.get("slot_id"):
+            # Validate first so a missing node or gpu is named, then derive the usual id.
+            probe = SpareSlot.model_validate({**data, "slot_id": "-"})
+            data["slot_id"] = default_slot_id(probe.cluster, probe.node, probe.gpu)
         slot = SpareSlot.model_validate(data)
         problem = registration_problem(slot)
         if problem:
             raise RequestInvalid(problem[1], problem[0])
         view, previous = await self.inventory.register(slot)
+        if view.slot.state.value == "hot" and view.slot.member_id:
+            self._tracked.add(view.slot.member_id)
         self.log.info(
             "slot registered", extra={"slot_id": slot.slot_id, "state": view.slot.state.value}
         )
@@ -426,8 +427,8 @@ class SparePool:
             beat = Heartbeat.model_validate_json(msg.data)
         except ValidationError:
             return  # loss-tolerant stream: a malformed beat is simply not a beat
-        if beat.kind != "liveness":
-            # Step beats come from ranks (a spare that took a rank is no longer tracked).
+        if beat.kind != "liveness" or beat.member_id not in self._tracked:
+            # Step beats come from ranks; a spare that took a rank is no longer tracked.
             return
         try:
             await self.inventory.heartbeat(beat.member_id, self.settings.spare_heartbeat_timeout_s)
@@ -439,6 +440,7 @@ class SparePool:
     async def sweep_once(self) -> None:
         """Expire due leases, drop silent hot spares, publish what ended."""
         outcome = await self.inventory.sweep()
+        self._tracked = await self.inventory.tracked_members()
         await self._released(outcome.expired)
         for removed in outcome.removed:
             self.log.warning("hot spare left the pool: no heartbeat", extra=removed)

@@ -300,6 +300,18 @@ async def test_a_silent_hot_spare_leaves_the_pool_and_a_beating_one_stays(
     assert [r["member_id"] for r in (await inv.sweep()).removed] == ["j1-s0"]
 
 
+async def test_after_its_first_beat_a_spare_gets_the_timeout_not_the_grace(
+    inv: SpareInventory, clock: Clock
+) -> None:
+    await inv.register(spare("n1", state="hot", job_id="j1", member_id="j1-s0"))
+    clock.advance(1)
+    assert await inv.heartbeat("j1-s0", timeout_s=5)
+    clock.advance(4)
+    assert (await inv.sweep()).removed == []
+    clock.advance(2)  # 6 s after its only beat, long before the 30 s grace would end
+    assert [r["member_id"] for r in (await inv.sweep()).removed] == ["j1-s0"]
+
+
 async def test_a_finished_job_lets_its_spares_go(inv: SpareInventory) -> None:
     await inv.register(spare("n1", state="hot", job_id="j1", member_id="j1-s0"))
     await inv.register(spare("n2", state="hot", job_id="j1", member_id="j1-s1"))

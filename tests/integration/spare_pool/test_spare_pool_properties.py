@@ -84,7 +84,7 @@ op_st = st.one_of(
 
 async def _lease_state(redis: aioredis.Redis, prefix: str, lease_id: str) -> str | None:
     raw = await redis.hget(f"{prefix}:lease:{lease_id}", "state")
-    return raw.decode() if raw else None
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 @PROPERTY_SETTINGS
