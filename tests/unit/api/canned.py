@@ -30,8 +30,9 @@ class BackgroundLoop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                       name="canned-services")
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, daemon=True, name="canned-services"
+        )
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
@@ -48,43 +49,85 @@ def _iso(delta_min: float) -> str:
     return (NOW - timedelta(minutes=delta_min)).isoformat()
 
 
-def _incident(incident_id: str, tenant: str, job_id: str, minutes_ago: float,
-              resolution: str = "migrated_live") -> dict[str, Any]:
+def _incident(
+    incident_id: str,
+    tenant: str,
+    job_id: str,
+    minutes_ago: float,
+    resolution: str = "migrated_live",
+) -> dict[str, Any]:
     return {
-        "incident_id": incident_id, "tenant": tenant, "job_id": job_id, "rank": 1,
-        "node": "node-2", "gpu": 3, "fault_kind": "gpu_lost", "severity": "fatal",
+        "incident_id": incident_id,
+        "tenant": tenant,
+        "job_id": job_id,
+        "rank": 1,
+        "node": "node-2",
+        "gpu": 3,
+        "fault_kind": "gpu_lost",
+        "severity": "fatal",
         "detected_at": _iso(minutes_ago),
         "resolved_at": None if resolution == "open" else _iso(minutes_ago - 0.5),
-        "resolution": resolution, "stall_ms": 57.0, "lost_steps": 1, "bytes_moved": 2048,
-        "generation_before": 1, "generation_after": 2, "cluster": "local",
+        "resolution": resolution,
+        "stall_ms": 57.0,
+        "lost_steps": 1,
+        "bytes_moved": 2048,
+        "generation_before": 1,
+        "generation_after": 2,
+        "cluster": "local",
     }
 
 
 def _job(job_id: str, tenant: str) -> dict[str, Any]:
     return {
-        "job_id": job_id, "tenant": tenant, "cluster": "local", "world_size": 2, "spares": 1,
-        "generation": 2, "committed_step": 41, "state": "running", "policy": "wait",
-        "ranks": [{"rank": 0, "node": "node-1", "gpu": 0, "pid": 100, "member_id": "m0"},
-                  {"rank": 1, "node": "node-1", "gpu": 1, "pid": None, "member_id": "m1"}],
+        "job_id": job_id,
+        "tenant": tenant,
+        "cluster": "local",
+        "world_size": 2,
+        "spares": 1,
+        "generation": 2,
+        "committed_step": 41,
+        "state": "running",
+        "policy": "wait",
+        "ranks": [
+            {"rank": 0, "node": "node-1", "gpu": 0, "pid": 100, "member_id": "m0"},
+            {"rank": 1, "node": "node-1", "gpu": 1, "pid": None, "member_id": "m1"},
+        ],
     }
 
 
 def _contract(contract_id: str, tenant: str, ended: bool) -> dict[str, Any]:
     start = NOW - timedelta(days=60)
     end = NOW - timedelta(days=1) if ended else NOW + timedelta(days=300)
-    return {"contract_id": contract_id, "tenant": tenant, "term_start": start.isoformat(),
-            "term_end": end.isoformat(), "renewal_fee_minor": 1_000_000, "currency": "USD",
-            "threshold": 0.9, "credit_rate": 0.25, "count_proactive": False}
+    return {
+        "contract_id": contract_id,
+        "tenant": tenant,
+        "term_start": start.isoformat(),
+        "term_end": end.isoformat(),
+        "renewal_fee_minor": 1_000_000,
+        "currency": "USD",
+        "threshold": 0.9,
+        "credit_rate": 0.25,
+        "count_proactive": False,
+    }
 
 
 def _guarantee(contract: dict[str, Any], eligible: int, migrated: int) -> dict[str, Any]:
     ratio = migrated / eligible if eligible else 1.0
     met = ratio >= contract["threshold"]
-    return {"contract_id": contract["contract_id"], "term_start": contract["term_start"],
-            "term_end": contract["term_end"], "eligible_failures": eligible,
-            "resolved_by_migration": migrated, "prevented_failures": 1, "ratio": ratio,
-            "threshold": contract["threshold"], "met": met,
-            "credit_minor": 0 if met else 250_000, "currency": "USD", "final": False}
+    return {
+        "contract_id": contract["contract_id"],
+        "term_start": contract["term_start"],
+        "term_end": contract["term_end"],
+        "eligible_failures": eligible,
+        "resolved_by_migration": migrated,
+        "prevented_failures": 1,
+        "ratio": ratio,
+        "threshold": contract["threshold"],
+        "met": met,
+        "credit_minor": 0 if met else 250_000,
+        "currency": "USD",
+        "final": False,
+    }
 
 
 def _page(items: list[Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -112,32 +155,81 @@ class CannedServices:
             _incident("inc-a2", "acme", "job-a", 90, "checkpoint_restart"),
             _incident("inc-b1", "globex", "job-b", 150),
         ]
-        self.contracts = [_contract("ctr-a", "acme", ended=False),
-                          _contract("ctr-b", "globex", ended=True)]
-        self.guarantees = {"ctr-a": _guarantee(self.contracts[0], 2, 1),
-                           "ctr-b": _guarantee(self.contracts[1], 1, 1)}
-        self.credits = [{
-            "credit_id": "cr-a", "contract_id": "ctr-a", "tenant": "acme",
-            "term_start": self.contracts[0]["term_start"],
-            "term_end": self.contracts[0]["term_end"], "amount_minor": 250_000,
-            "currency": "USD", "eligible_failures": 2, "resolved_by_migration": 1, "ratio": 0.5,
-            "issued_at": NOW.isoformat(),
-        }]
+        self.contracts = [
+            _contract("ctr-a", "acme", ended=False),
+            _contract("ctr-b", "globex", ended=True),
+        ]
+        self.guarantees = {
+            "ctr-a": _guarantee(self.contracts[0], 2, 1),
+            "ctr-b": _guarantee(self.contracts[1], 1, 1),
+        }
+        self.credits = [
+            {
+                "credit_id": "cr-a",
+                "contract_id": "ctr-a",
+                "tenant": "acme",
+                "term_start": self.contracts[0]["term_start"],
+                "term_end": self.contracts[0]["term_end"],
+                "amount_minor": 250_000,
+                "currency": "USD",
+                "eligible_failures": 2,
+                "resolved_by_migration": 1,
+                "ratio": 0.5,
+                "issued_at": NOW.isoformat(),
+            }
+        ]
         self.nodes = [
-            {"node": "node-1", "cluster": "local", "health": "healthy", "lemon_score": 0.0,
-             "state": "in_service", "gpus": [{"gpu": i, "health": "healthy"} for i in range(8)]},
-            {"node": "node-2", "cluster": "local", "health": "unhealthy", "lemon_score": 0.5,
-             "state": "draining", "gpus": [{"gpu": 3, "health": "unhealthy"}]},
-            {"node": "node-3", "cluster": "local", "health": "quarantined", "lemon_score": 2.0,
-             "state": "quarantined", "gpus": []},
+            {
+                "node": "node-1",
+                "cluster": "local",
+                "health": "healthy",
+                "lemon_score": 0.0,
+                "state": "in_service",
+                "gpus": [{"gpu": i, "health": "healthy"} for i in range(8)],
+            },
+            {
+                "node": "node-2",
+                "cluster": "local",
+                "health": "unhealthy",
+                "lemon_score": 0.5,
+                "state": "draining",
+                "gpus": [{"gpu": 3, "health": "unhealthy"}],
+            },
+            {
+                "node": "node-3",
+                "cluster": "local",
+                "health": "quarantined",
+                "lemon_score": 2.0,
+                "state": "quarantined",
+                "gpus": [],
+            },
         ]
         self.spares = [
-            {"slot_id": "local.spare-1.0", "cluster": "local", "node": "spare-1", "gpu": 0,
-             "nvlink_domain": "nvl-0", "state": "idle"},
-            {"slot_id": "local.spare-1.1", "cluster": "local", "node": "spare-1", "gpu": 1,
-             "nvlink_domain": "nvl-0", "state": "idle"},
-            {"slot_id": "local.spare-2.0", "cluster": "local", "node": "spare-2", "gpu": 0,
-             "nvlink_domain": "nvl-1", "state": "hot", "job_id": "job-a"},
+            {
+                "slot_id": "local.spare-1.0",
+                "cluster": "local",
+                "node": "spare-1",
+                "gpu": 0,
+                "nvlink_domain": "nvl-0",
+                "state": "idle",
+            },
+            {
+                "slot_id": "local.spare-1.1",
+                "cluster": "local",
+                "node": "spare-1",
+                "gpu": 1,
+                "nvlink_domain": "nvl-0",
+                "state": "idle",
+            },
+            {
+                "slot_id": "local.spare-2.0",
+                "cluster": "local",
+                "node": "spare-2",
+                "gpu": 0,
+                "nvlink_domain": "nvl-1",
+                "state": "hot",
+                "job_id": "job-a",
+            },
         ]
         self.depth = [
             {"cluster": "local", "nvlink_domain": "nvl-0", "available": 2, "floor": 1},
@@ -166,37 +258,48 @@ class CannedServices:
     def handlers(self) -> dict[tuple[str, str], Callable[[dict[str, Any]], Any]]:
         return {
             ("scheduler", "job_list"): self.job_list,
-            ("scheduler", "job_get"): lambda b: (_only(b, "job_id"),
-                                                 self._by(self.jobs, "job_id", b["job_id"],
-                                                          "job"))[1],
+            ("scheduler", "job_get"): lambda b: (
+                _only(b, "job_id"),
+                self._by(self.jobs, "job_id", b["job_id"], "job"),
+            )[1],
             ("scheduler", "job_timeline"): self.job_timeline,
             ("scheduler", "incident_list"): self.incident_list,
-            ("scheduler", "incident_get"): lambda b: (_only(b, "incident_id"), self._by(
-                self.incidents, "incident_id", b["incident_id"], "incident"))[1],
+            ("scheduler", "incident_get"): lambda b: (
+                _only(b, "incident_id"),
+                self._by(self.incidents, "incident_id", b["incident_id"], "incident"),
+            )[1],
             ("scheduler", "drain"): self.drain,
             ("billing", "contract_create"): self.contract_create,
             ("billing", "contract_get"): lambda b: self._by(
-                self.contracts, "contract_id", b["contract_id"], "contract"),
+                self.contracts, "contract_id", b["contract_id"], "contract"
+            ),
             ("billing", "contract_list"): self.contract_list,
             ("billing", "guarantee"): self.guarantee,
             ("billing", "close_term"): self.close_term,
             ("billing", "credits_list"): self.credits_list,
             ("billing", "export"): self.export,
-            ("billing", "ledger_verify"): lambda b: (_only(b, "contract_id"),
-                                                     {"ok": True, "checked": 3, "chains": 2})[1],
+            ("billing", "ledger_verify"): lambda b: (
+                _only(b, "contract_id"),
+                {"ok": True, "checked": 3, "chains": 2},
+            )[1],
             ("detector", "cluster_list"): lambda b: [
-                {"cluster": "local", "nodes": 3, "gpus": 9, "unhealthy": 1}],
-            ("detector", "node_list"): lambda b: (_only(b, "cluster"), [
-                n for n in self.nodes if b.get("cluster") in (None, n["cluster"])])[1],
+                {"cluster": "local", "nodes": 3, "gpus": 9, "unhealthy": 1}
+            ],
+            ("detector", "node_list"): lambda b: (
+                _only(b, "cluster"),
+                [n for n in self.nodes if b.get("cluster") in (None, n["cluster"])],
+            )[1],
             ("detector", "node_get"): lambda b: self._by(self.nodes, "node", b["node"], "node"),
             ("detector", "node_return"): lambda b: {
-                **self._by(self.nodes, "node", b["node"], "node"), "health": "healthy"},
+                **self._by(self.nodes, "node", b["node"], "node"),
+                "health": "healthy",
+            },
             ("spare_pool", "list"): self.spare_list,
-            ("spare_pool", "get"): lambda b: self._by(self.spares, "slot_id", b["slot_id"],
-                                                      "slot"),
+            ("spare_pool", "get"): lambda b: self._by(self.spares, "slot_id", b["slot_id"], "slot"),
             ("spare_pool", "register"): self.register,
             ("spare_pool", "depth"): lambda b: [
-                d for d in self.depth if b.get("cluster") in (None, d["cluster"])],
+                d for d in self.depth if b.get("cluster") in (None, d["cluster"])
+            ],
             ("spare_pool", "return"): self.spare_return,
         }
 
@@ -208,30 +311,51 @@ class CannedServices:
         _only(b, "job_id")
         job = self._by(self.jobs, "job_id", b["job_id"], "job")
         incidents = [i for i in self.incidents if i["job_id"] == job["job_id"]]
-        return {"job_id": job["job_id"], "tenant": job["tenant"],
-                "events": [{"type": "registered", "at": _iso(200)},
-                           {"type": "migration_completed", "at": _iso(29),
-                            "migration_id": "mig-1"}],
-                "generations": [{"generation": 1}, {"generation": 2}],
-                "incidents": incidents,
-                "migrations": [{"type": "migration_completed", "migration_id": "mig-1"}]}
+        return {
+            "job_id": job["job_id"],
+            "tenant": job["tenant"],
+            "events": [
+                {"type": "registered", "at": _iso(200)},
+                {"type": "migration_completed", "at": _iso(29), "migration_id": "mig-1"},
+            ],
+            "generations": [{"generation": 1}, {"generation": 2}],
+            "incidents": incidents,
+            "migrations": [{"type": "migration_completed", "migration_id": "mig-1"}],
+        }
 
     def incident_list(self, b: dict[str, Any]) -> Any:
         _only(b, "job_id", "tenant", "resolution", "from", "to", "limit", "cursor")
-        found = [i for i in self.incidents
-                 if b.get("tenant") in (None, i["tenant"])
-                 and b.get("job_id") in (None, i["job_id"])
-                 and b.get("resolution") in (None, i["resolution"])]
+        found = [
+            i
+            for i in self.incidents
+            if b.get("tenant") in (None, i["tenant"])
+            and b.get("job_id") in (None, i["job_id"])
+            and b.get("resolution") in (None, i["resolution"])
+        ]
         return _page(found, b)
 
     def drain(self, b: dict[str, Any]) -> Any:
         _only(b, "node", "cluster", "reason", "requested_by")
-        return {"drain_id": "d-1", "cluster": b.get("cluster") or "local", "node": b["node"],
-                "ranks": []}
+        return {
+            "drain_id": "d-1",
+            "cluster": b.get("cluster") or "local",
+            "node": b["node"],
+            "ranks": [],
+        }
 
     def contract_create(self, b: dict[str, Any]) -> Any:
-        _only(b, "contract_id", "tenant", "term_start", "term_end", "renewal_fee_minor",
-              "currency", "threshold", "credit_rate", "count_proactive")
+        _only(
+            b,
+            "contract_id",
+            "tenant",
+            "term_start",
+            "term_end",
+            "renewal_fee_minor",
+            "currency",
+            "threshold",
+            "credit_rate",
+            "count_proactive",
+        )
         if b["currency"] == "XYZ":
             raise RequestInvalid("'XYZ' is not an ISO 4217 currency code", "currency")
         return {**b, "contract_id": b.get("contract_id") or "ctr-new"}
@@ -249,30 +373,48 @@ class CannedServices:
         _only(b, "contract_id")
         contract = self._by(self.contracts, "contract_id", b["contract_id"], "contract")
         if contract["term_end"] > NOW.isoformat():
-            raise Conflict(f"the term of {b['contract_id']} ends {contract['term_end']}",
-                           "contract_id")
-        return {"guarantee": {**self.guarantees[b["contract_id"]], "final": True},
-                "credit": None, "closed_now": True}
+            raise Conflict(
+                f"the term of {b['contract_id']} ends {contract['term_end']}", "contract_id"
+            )
+        return {
+            "guarantee": {**self.guarantees[b["contract_id"]], "final": True},
+            "credit": None,
+            "closed_now": True,
+        }
 
     def credits_list(self, b: dict[str, Any]) -> Any:
         _only(b, "contract_id", "tenant")
-        return {"items": [c for c in self.credits
-                          if b.get("tenant") in (None, c["tenant"])
-                          and b.get("contract_id") in (None, c["contract_id"])],
-                "next_cursor": None}
+        return {
+            "items": [
+                c
+                for c in self.credits
+                if b.get("tenant") in (None, c["tenant"])
+                and b.get("contract_id") in (None, c["contract_id"])
+            ],
+            "next_cursor": None,
+        }
 
     def export(self, b: dict[str, Any]) -> Any:
         _only(b, "period", "format")
         if b["format"] == "csv":
             body = "BilledCost,ChargeCategory\n-2500.00,Credit\n"
             return {"content_type": "text/csv; charset=utf-8", "body": body, "rows": 1}
-        return {"content_type": "application/json", "rows": 1,
-                "body": '[{"BilledCost": "-2500.00", "ChargeCategory": "Credit"}]'}
+        return {
+            "content_type": "application/json",
+            "rows": 1,
+            "body": '[{"BilledCost": "-2500.00", "ChargeCategory": "Credit"}]',
+        }
 
     def spare_list(self, b: dict[str, Any]) -> Any:
         _only(b, "cluster", "state", "limit", "cursor")
-        return _page([s for s in self.spares if b.get("state") in (None, s["state"])
-                      and b.get("cluster") in (None, s["cluster"])], b)
+        return _page(
+            [
+                s
+                for s in self.spares
+                if b.get("state") in (None, s["state"]) and b.get("cluster") in (None, s["cluster"])
+            ],
+            b,
+        )
 
     def spare_return(self, b: dict[str, Any]) -> Any:
         _only(b, "node", "gpu", "cluster")
@@ -282,8 +424,18 @@ class CannedServices:
         return {"returned": returned}
 
     def register(self, b: dict[str, Any]) -> Any:
-        _only(b, "slot_id", "cluster", "node", "gpu", "gpu_model", "memory_mb",
-              "nvlink_domain", "rack", "zone")
+        _only(
+            b,
+            "slot_id",
+            "cluster",
+            "node",
+            "gpu",
+            "gpu_model",
+            "memory_mb",
+            "nvlink_domain",
+            "rack",
+            "zone",
+        )
         return {**b, "state": "idle"}
 
     # ----------------------------------------------------------------- serving
@@ -297,9 +449,9 @@ class CannedServices:
             await self.bus.serve(service, verb, self._recorded(service, verb, handler))
         await self.bus.nc.flush()
 
-    def _recorded(self, service: str, verb: str,
-                  handler: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]],
-                                                                        Awaitable[Any]]:
+    def _recorded(
+        self, service: str, verb: str, handler: Callable[[dict[str, Any]], Any]
+    ) -> Callable[[dict[str, Any]], Awaitable[Any]]:
         async def _serve(body: dict[str, Any]) -> Any:
             self.requests.append((service, verb, body))
             return handler(body)
@@ -316,9 +468,11 @@ class ServerThread:
 
     def __init__(self, loop: BackgroundLoop, app: Any) -> None:
         self.loop = loop
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_config=None, access_log=False,
-                                                    lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on"
+            )
+        )
         self.task: asyncio.Task[None] | None = None
         self.port = 0
 

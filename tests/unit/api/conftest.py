@@ -37,8 +37,14 @@ def canned(background: BackgroundLoop, nats_url: str) -> Iterator[CannedServices
 
 @pytest.fixture
 def api_settings(nats_url: str, redis_url: str) -> ApiSettings:
-    return ApiSettings(nats_url=nats_url, redis_url=redis_url, environment="test",
-                       operator_token=OPERATOR_TOKEN, rpc_timeout_s=2.0, log_json=False)
+    return ApiSettings(
+        nats_url=nats_url,
+        redis_url=redis_url,
+        environment="test",
+        operator_token=OPERATOR_TOKEN,
+        rpc_timeout_s=2.0,
+        log_json=False,
+    )
 
 
 @pytest.fixture
@@ -55,8 +61,11 @@ def operator() -> dict[str, str]:
 
 def tenant_token(client: TestClient, tenant: str) -> dict[str, str]:
     """Headers with a new tenant token for ``tenant``, issued by the operator."""
-    r = client.post("/v1/tokens", json={"scope": "tenant", "tenant": tenant},
-                    headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"})
+    r = client.post(
+        "/v1/tokens",
+        json={"scope": "tenant", "tenant": tenant},
+        headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"},
+    )
     assert r.status_code == 201, r.text
     return {"Authorization": f"Bearer {r.json()['token']}"}
 

@@ -34,15 +34,28 @@ with warnings.catch_warnings():
 
 ROOT = Path(__file__).resolve().parents[3]
 INTERFACES_ROUTES = {
-    ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"), ("post", "/v1/tokens"),
-    ("get", "/v1/clusters"), ("get", "/v1/nodes"), ("get", "/v1/nodes/{node}"),
-    ("post", "/v1/nodes/{node}/drain"), ("post", "/v1/nodes/{node}/return"),
-    ("get", "/v1/spares"), ("post", "/v1/spares"), ("get", "/v1/jobs"),
-    ("get", "/v1/jobs/{job_id}"), ("get", "/v1/jobs/{job_id}/timeline"),
-    ("get", "/v1/incidents"), ("get", "/v1/incidents/{incident_id}"),
-    ("post", "/v1/contracts"), ("get", "/v1/contracts"), ("get", "/v1/contracts/{contract_id}"),
+    ("get", "/healthz"),
+    ("get", "/readyz"),
+    ("get", "/metrics"),
+    ("post", "/v1/tokens"),
+    ("get", "/v1/clusters"),
+    ("get", "/v1/nodes"),
+    ("get", "/v1/nodes/{node}"),
+    ("post", "/v1/nodes/{node}/drain"),
+    ("post", "/v1/nodes/{node}/return"),
+    ("get", "/v1/spares"),
+    ("post", "/v1/spares"),
+    ("get", "/v1/jobs"),
+    ("get", "/v1/jobs/{job_id}"),
+    ("get", "/v1/jobs/{job_id}/timeline"),
+    ("get", "/v1/incidents"),
+    ("get", "/v1/incidents/{incident_id}"),
+    ("post", "/v1/contracts"),
+    ("get", "/v1/contracts"),
+    ("get", "/v1/contracts/{contract_id}"),
     ("get", "/v1/contracts/{contract_id}/guarantee"),
-    ("post", "/v1/contracts/{contract_id}/close-term"), ("get", "/v1/billing/export"),
+    ("post", "/v1/contracts/{contract_id}/close-term"),
+    ("get", "/v1/billing/export"),
 }
 
 
@@ -73,8 +86,14 @@ def live_api(nats_proc: ServerProcess, redis_proc: ServerProcess) -> Iterator[st
     loop = BackgroundLoop()
     services = CannedServices()
     loop.run(services.start(nats_proc.url))
-    cfg = ApiSettings(nats_url=nats_proc.url, redis_url=redis_proc.url, environment="test",
-                      operator_token=OPERATOR_TOKEN, rpc_timeout_s=2.0, log_json=False)
+    cfg = ApiSettings(
+        nats_url=nats_proc.url,
+        redis_url=redis_proc.url,
+        environment="test",
+        operator_token=OPERATOR_TOKEN,
+        rpc_timeout_s=2.0,
+        log_json=False,
+    )
     server = ServerThread(loop, create_app(cfg))
     url = server.start()
     yield url
@@ -87,13 +106,24 @@ schema = schemathesis.openapi.from_dict(openapi_document())
 
 
 @schema.parametrize()
-@settings(max_examples=12, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 def test_api_honours_its_openapi_document(case: Any, live_api: str) -> None:
     case.call_and_validate(
-        base_url=live_api, headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"},
-        checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                response_schema_conformance],
+        base_url=live_api,
+        headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"},
+        checks=[
+            not_a_server_error,
+            status_code_conformance,
+            content_type_conformance,
+            response_schema_conformance,
+        ],
         timeout=10,
     )

@@ -12,45 +12,129 @@ from services.api.settings import ApiSettings
 from tests.unit.api.canned import BackgroundLoop, CannedServices
 from tests.unit.api.conftest import TestClient
 
-JOB = {"job_id", "tenant", "world_size", "spares", "generation", "committed_step", "state",
-       "ranks"}
+JOB = {"job_id", "tenant", "world_size", "spares", "generation", "committed_step", "state", "ranks"}
 RANK = {"rank", "node", "gpu", "pid"}
 NODE = {"node", "cluster", "health", "lemon_score", "state", "gpus"}
-INCIDENT = {"incident_id", "tenant", "job_id", "rank", "node", "gpu", "fault_kind", "severity",
-            "detected_at", "resolved_at", "resolution", "stall_ms", "lost_steps", "bytes_moved",
-            "generation_before", "generation_after"}
-CONTRACT = {"contract_id", "tenant", "term_start", "term_end", "renewal_fee_minor", "currency",
-            "threshold", "credit_rate", "count_proactive"}
-GUARANTEE = {"contract_id", "term_start", "term_end", "eligible_failures",
-             "resolved_by_migration", "prevented_failures", "ratio", "threshold", "met",
-             "credit_minor", "currency", "final"}
-SPARE = {"slot_id", "cluster", "node", "gpu", "gpu_model", "memory_mb", "nvlink_domain", "rack",
-         "zone", "state"}
-NEW_CONTRACT = {"tenant": "acme", "term_start": "2026-01-01T00:00:00Z",
-                "term_end": "2027-01-01T00:00:00Z", "renewal_fee_minor": 500000,
-                "currency": "EUR"}
+INCIDENT = {
+    "incident_id",
+    "tenant",
+    "job_id",
+    "rank",
+    "node",
+    "gpu",
+    "fault_kind",
+    "severity",
+    "detected_at",
+    "resolved_at",
+    "resolution",
+    "stall_ms",
+    "lost_steps",
+    "bytes_moved",
+    "generation_before",
+    "generation_after",
+}
+CONTRACT = {
+    "contract_id",
+    "tenant",
+    "term_start",
+    "term_end",
+    "renewal_fee_minor",
+    "currency",
+    "threshold",
+    "credit_rate",
+    "count_proactive",
+}
+GUARANTEE = {
+    "contract_id",
+    "term_start",
+    "term_end",
+    "eligible_failures",
+    "resolved_by_migration",
+    "prevented_failures",
+    "ratio",
+    "threshold",
+    "met",
+    "credit_minor",
+    "currency",
+    "final",
+}
+SPARE = {
+    "slot_id",
+    "cluster",
+    "node",
+    "gpu",
+    "gpu_model",
+    "memory_mb",
+    "nvlink_domain",
+    "rack",
+    "zone",
+    "state",
+}
+NEW_CONTRACT = {
+    "tenant": "acme",
+    "term_start": "2026-01-01T00:00:00Z",
+    "term_end": "2027-01-01T00:00:00Z",
+    "renewal_fee_minor": 500000,
+    "currency": "EUR",
+}
 
 # (method, path, body, fields of the answer, fields of each list item or None, status)
 ROUTES: list[tuple[str, str, Any, set[str], set[str] | None, int]] = [
-    ("POST", "/v1/tokens", {"scope": "tenant", "tenant": "acme"}, {"token", "scope", "tenant"},
-     None, 201),
-    ("GET", "/v1/clusters", None, {"items", "next_cursor"},
-     {"cluster", "nodes", "gpus", "unhealthy", "spares_available"}, 200),
+    (
+        "POST",
+        "/v1/tokens",
+        {"scope": "tenant", "tenant": "acme"},
+        {"token", "scope", "tenant"},
+        None,
+        201,
+    ),
+    (
+        "GET",
+        "/v1/clusters",
+        None,
+        {"items", "next_cursor"},
+        {"cluster", "nodes", "gpus", "unhealthy", "spares_available"},
+        200,
+    ),
     ("GET", "/v1/nodes?cluster=local", None, {"items", "next_cursor"}, NODE, 200),
     ("GET", "/v1/nodes/node-1", None, NODE, None, 200),
-    ("POST", "/v1/nodes/node-2/drain", {"reason": "kernel upgrade"}, {"node", "cluster"}, None,
-     202),
+    (
+        "POST",
+        "/v1/nodes/node-2/drain",
+        {"reason": "kernel upgrade"},
+        {"node", "cluster"},
+        None,
+        202,
+    ),
     ("POST", "/v1/nodes/node-1/return", None, {"node", "detector", "spare_pool"}, None, 200),
     ("GET", "/v1/spares", None, {"items", "next_cursor"}, SPARE, 200),
-    ("POST", "/v1/spares", {"node": "spare-9", "gpu": 0, "nvlink_domain": "nvl-2"}, SPARE, None,
-     201),
-    ("GET", "/v1/spares/depth", None, {"items", "next_cursor"},
-     {"cluster", "nvlink_domain", "available", "floor"}, 200),
+    (
+        "POST",
+        "/v1/spares",
+        {"node": "spare-9", "gpu": 0, "nvlink_domain": "nvl-2"},
+        SPARE,
+        None,
+        201,
+    ),
+    (
+        "GET",
+        "/v1/spares/depth",
+        None,
+        {"items", "next_cursor"},
+        {"cluster", "nvlink_domain", "available", "floor"},
+        200,
+    ),
     ("GET", "/v1/spares/local.spare-1.0", None, SPARE, None, 200),
     ("GET", "/v1/jobs", None, {"items", "next_cursor"}, JOB, 200),
     ("GET", "/v1/jobs/job-a", None, JOB, None, 200),
-    ("GET", "/v1/jobs/job-a/timeline", None,
-     {"job_id", "events", "generations", "incidents", "migrations"}, None, 200),
+    (
+        "GET",
+        "/v1/jobs/job-a/timeline",
+        None,
+        {"job_id", "events", "generations", "incidents", "migrations"},
+        None,
+        200,
+    ),
     ("GET", "/v1/incidents", None, {"items", "next_cursor"}, INCIDENT, 200),
     ("GET", "/v1/incidents/inc-a1", None, INCIDENT, None, 200),
     ("POST", "/v1/contracts", NEW_CONTRACT, CONTRACT, None, 201),
@@ -58,26 +142,44 @@ ROUTES: list[tuple[str, str, Any, set[str], set[str] | None, int]] = [
     ("GET", "/v1/contracts/ctr-a", None, CONTRACT, None, 200),
     ("GET", "/v1/contracts/ctr-a/guarantee", None, GUARANTEE, None, 200),
     ("POST", "/v1/contracts/ctr-b/close-term", None, {"guarantee", "credit"}, None, 200),
-    ("GET", "/v1/credits", None, {"items", "next_cursor"},
-     {"credit_id", "contract_id", "tenant", "amount_minor", "currency"}, 200),
+    (
+        "GET",
+        "/v1/credits",
+        None,
+        {"items", "next_cursor"},
+        {"credit_id", "contract_id", "tenant", "amount_minor", "currency"},
+        200,
+    ),
     ("GET", "/v1/ledger/verify", None, {"ok", "checked", "first_bad"}, None, 200),
 ]
-OPERATOR_ONLY = [r for r in ROUTES if not r[1].startswith(
-    ("/v1/jobs", "/v1/incidents", "/v1/credits", "/v1/contracts/ctr-a"))
-    and (r[0], r[1]) != ("GET", "/v1/contracts")] + [
-    ("GET", "/v1/billing/export?period=2026-11", None, set(), None, 200)]
+OPERATOR_ONLY = [
+    r
+    for r in ROUTES
+    if not r[1].startswith(("/v1/jobs", "/v1/incidents", "/v1/credits", "/v1/contracts/ctr-a"))
+    and (r[0], r[1]) != ("GET", "/v1/contracts")
+] + [("GET", "/v1/billing/export?period=2026-11", None, set(), None, 200)]
 
 
-def _call(client: TestClient, method: str, path: str, body: Any,
-          headers: dict[str, str] | None) -> Any:
+def _call(
+    client: TestClient, method: str, path: str, body: Any, headers: dict[str, str] | None
+) -> Any:
     return client.request(method, path, json=body, headers=headers or {})
 
 
-@pytest.mark.parametrize(("method", "path", "body", "fields", "item_fields", "status"), ROUTES,
-                         ids=[f"{r[0]} {r[1]}" for r in ROUTES])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "fields", "item_fields", "status"),
+    ROUTES,
+    ids=[f"{r[0]} {r[1]}" for r in ROUTES],
+)
 def test_every_route_answers_with_the_documented_fields(
-    client: TestClient, operator: dict[str, str], method: str, path: str, body: Any,
-    fields: set[str], item_fields: set[str] | None, status: int,
+    client: TestClient,
+    operator: dict[str, str],
+    method: str,
+    path: str,
+    body: Any,
+    fields: set[str],
+    item_fields: set[str] | None,
+    status: int,
 ) -> None:
     r = _call(client, method, path, body, operator)
     assert r.status_code == status, r.text
@@ -91,13 +193,20 @@ def test_every_route_answers_with_the_documented_fields(
         assert all(RANK <= set(rank) for rank in data["ranks"])
 
 
-@pytest.mark.parametrize(("method", "path", "body", "fields", "item_fields", "status"),
-                         [*ROUTES, ("GET", "/v1/billing/export?period=2026-11", None, set(),
-                                    None, 200)],
-                         ids=[f"{r[0]} {r[1]}" for r in ROUTES] + ["GET export"])
-def test_no_token_is_401_problem(client: TestClient, method: str, path: str, body: Any,
-                                 fields: set[str], item_fields: set[str] | None,
-                                 status: int) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "body", "fields", "item_fields", "status"),
+    [*ROUTES, ("GET", "/v1/billing/export?period=2026-11", None, set(), None, 200)],
+    ids=[f"{r[0]} {r[1]}" for r in ROUTES] + ["GET export"],
+)
+def test_no_token_is_401_problem(
+    client: TestClient,
+    method: str,
+    path: str,
+    body: Any,
+    fields: set[str],
+    item_fields: set[str] | None,
+    status: int,
+) -> None:
     r = _call(client, method, path, body, None)
     assert r.status_code == 401
     assert r.headers["content-type"] == "application/problem+json"
@@ -109,11 +218,21 @@ def test_no_token_is_401_problem(client: TestClient, method: str, path: str, bod
     assert r.status_code == 401
 
 
-@pytest.mark.parametrize(("method", "path", "body", "fields", "item_fields", "status"),
-                         OPERATOR_ONLY, ids=[f"{r[0]} {r[1]}" for r in OPERATOR_ONLY])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "fields", "item_fields", "status"),
+    OPERATOR_ONLY,
+    ids=[f"{r[0]} {r[1]}" for r in OPERATOR_ONLY],
+)
 def test_tenant_token_on_operator_route_is_403(
-    client: TestClient, acme: dict[str, str], canned: CannedServices, method: str, path: str,
-    body: Any, fields: set[str], item_fields: set[str] | None, status: int,
+    client: TestClient,
+    acme: dict[str, str],
+    canned: CannedServices,
+    method: str,
+    path: str,
+    body: Any,
+    fields: set[str],
+    item_fields: set[str] | None,
+    status: int,
 ) -> None:
     before = len(canned.requests)
     r = _call(client, method, path, body, acme)
@@ -131,11 +250,15 @@ FOREIGN = [
 ]
 
 
-@pytest.mark.parametrize(("foreign", "missing", "fid", "mid"), FOREIGN,
-                         ids=[f[0] for f in FOREIGN])
+@pytest.mark.parametrize(("foreign", "missing", "fid", "mid"), FOREIGN, ids=[f[0] for f in FOREIGN])
 def test_another_tenants_object_answers_exactly_like_a_missing_one(
-    client: TestClient, acme: dict[str, str], operator: dict[str, str], foreign: str,
-    missing: str, fid: str, mid: str,
+    client: TestClient,
+    acme: dict[str, str],
+    operator: dict[str, str],
+    foreign: str,
+    missing: str,
+    fid: str,
+    mid: str,
 ) -> None:
     assert client.get(foreign, headers=operator).status_code == 200  # it does exist
     a = client.get(foreign, headers=acme)
@@ -146,10 +269,16 @@ def test_another_tenants_object_answers_exactly_like_a_missing_one(
 
 
 def test_tenant_lists_hold_only_its_own_objects(
-    client: TestClient, acme: dict[str, str], globex: dict[str, str], canned: CannedServices,
+    client: TestClient,
+    acme: dict[str, str],
+    globex: dict[str, str],
+    canned: CannedServices,
 ) -> None:
-    for path, key in [("/v1/jobs", "job_id"), ("/v1/incidents", "incident_id"),
-                      ("/v1/contracts", "contract_id")]:
+    for path, key in [
+        ("/v1/jobs", "job_id"),
+        ("/v1/incidents", "incident_id"),
+        ("/v1/contracts", "contract_id"),
+    ]:
         mine = client.get(path, headers=acme).json()["items"]
         theirs = client.get(path, headers=globex).json()["items"]
         assert mine
@@ -163,8 +292,9 @@ def test_tenant_lists_hold_only_its_own_objects(
     assert client.get("/v1/jobs?tenant=globex", headers=acme).json()["items"] == []
     assert client.get("/v1/credits", headers=globex).json()["items"] == []
     assert client.get("/v1/credits?contract_id=ctr-a", headers=globex).json()["items"] == []
-    assert [c["credit_id"] for c in client.get("/v1/credits", headers=acme).json()["items"]] \
-        == ["cr-a"]
+    assert [c["credit_id"] for c in client.get("/v1/credits", headers=acme).json()["items"]] == [
+        "cr-a"
+    ]
 
 
 INVALID: list[tuple[str, str, Any, str]] = [
@@ -192,19 +322,24 @@ INVALID: list[tuple[str, str, Any, str]] = [
     ("POST", "/v1/contracts", {**NEW_CONTRACT, "renewal_fee_minor": -1}, "renewal_fee_minor"),
     ("POST", "/v1/contracts", {**NEW_CONTRACT, "threshold": 1.5}, "threshold"),
     ("POST", "/v1/contracts", {**NEW_CONTRACT, "surprise": 1}, "surprise"),
-    ("POST", "/v1/contracts", {k: v for k, v in NEW_CONTRACT.items() if k != "tenant"},
-     "tenant"),
+    ("POST", "/v1/contracts", {k: v for k, v in NEW_CONTRACT.items() if k != "tenant"}, "tenant"),
     ("POST", "/v1/spares", {"node": "n1", "gpu": -1}, "gpu"),
     ("POST", "/v1/spares", {"gpu": 0}, "node"),
     ("POST", "/v1/nodes/node-1/drain", {"reason": ""}, "reason"),
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body", "field"), INVALID,
-                         ids=[f"{i[0]} {i[1]} {i[3]}" for i in INVALID])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"), INVALID, ids=[f"{i[0]} {i[1]} {i[3]}" for i in INVALID]
+)
 def test_invalid_input_is_422_naming_the_field_and_reaches_no_service(
-    client: TestClient, operator: dict[str, str], canned: CannedServices, method: str,
-    path: str, body: Any, field: str,
+    client: TestClient,
+    operator: dict[str, str],
+    canned: CannedServices,
+    method: str,
+    path: str,
+    body: Any,
+    field: str,
 ) -> None:
     before = len(canned.requests)
     r = _call(client, method, path, body, operator)
@@ -216,10 +351,12 @@ def test_invalid_input_is_422_naming_the_field_and_reaches_no_service(
     assert len(canned.requests) == before
 
 
-def test_malformed_json_body_is_a_problem(client: TestClient,
-                                          operator: dict[str, str]) -> None:
-    r = client.post("/v1/contracts", content=b"{not json",
-                    headers={**operator, "Content-Type": "application/json"})
+def test_malformed_json_body_is_a_problem(client: TestClient, operator: dict[str, str]) -> None:
+    r = client.post(
+        "/v1/contracts",
+        content=b"{not json",
+        headers={**operator, "Content-Type": "application/json"},
+    )
     assert r.status_code == 422
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["field"] == "body"
@@ -241,7 +378,9 @@ def test_service_errors_map_to_http(client: TestClient, operator: dict[str, str]
 
 
 def test_a_service_that_does_not_answer_is_503_naming_it(
-    nats_url: str, api_settings: ApiSettings, operator: dict[str, str],
+    nats_url: str,
+    api_settings: ApiSettings,
+    operator: dict[str, str],
 ) -> None:
     loop = BackgroundLoop()
     services = CannedServices()
@@ -249,8 +388,12 @@ def test_a_service_that_does_not_answer_is_503_naming_it(
     try:
         with TestClient(create_app(api_settings)) as client:
             assert client.get("/v1/jobs", headers=operator).status_code == 200
-            for path, service in [("/v1/nodes", "detector"), ("/v1/contracts", "billing"),
-                                  ("/v1/spares", "spare_pool"), ("/v1/clusters", "detector")]:
+            for path, service in [
+                ("/v1/nodes", "detector"),
+                ("/v1/contracts", "billing"),
+                ("/v1/spares", "spare_pool"),
+                ("/v1/clusters", "detector"),
+            ]:
                 r = client.get(path, headers=operator)
                 assert r.status_code == 503, r.text
                 assert r.headers["content-type"] == "application/problem+json"
@@ -262,14 +405,17 @@ def test_a_service_that_does_not_answer_is_503_naming_it(
 
 
 def test_tokens_are_shown_once_and_stored_only_hashed(
-    client: TestClient, operator: dict[str, str], redis_url: str,
+    client: TestClient,
+    operator: dict[str, str],
+    redis_url: str,
 ) -> None:
     r = client.post("/v1/tokens", json={"scope": "operator"}, headers=operator)
     assert r.status_code == 201
     assert r.headers["cache-control"] == "no-store"
     token = r.json()["token"]
-    assert client.get("/v1/clusters", headers={"Authorization": f"Bearer {token}"}
-                      ).status_code == 200
+    assert (
+        client.get("/v1/clusters", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    )
     store = redis_sync.Redis.from_url(redis_url)
     try:
         keys = list(store.scan_iter("tr:api:*"))
@@ -283,8 +429,13 @@ def test_tokens_are_shown_once_and_stored_only_hashed(
 
 
 def test_tenant_token_reads_its_own_objects(client: TestClient, acme: dict[str, str]) -> None:
-    for path in ("/v1/jobs/job-a", "/v1/jobs/job-a/timeline", "/v1/incidents/inc-a1",
-                 "/v1/contracts/ctr-a", "/v1/contracts/ctr-a/guarantee"):
+    for path in (
+        "/v1/jobs/job-a",
+        "/v1/jobs/job-a/timeline",
+        "/v1/incidents/inc-a1",
+        "/v1/contracts/ctr-a",
+        "/v1/contracts/ctr-a/guarantee",
+    ):
         assert client.get(path, headers=acme).status_code == 200, path
 
 
@@ -303,17 +454,26 @@ def test_pagination_follows_next_cursor(client: TestClient, operator: dict[str, 
     assert seen == ["inc-a1", "inc-a2", "inc-b1"]
     page = client.get("/v1/nodes", params={"limit": 2}, headers=operator).json()
     assert len(page["items"]) == 2
-    rest = client.get("/v1/nodes", params={"limit": 2, "cursor": page["next_cursor"]},
-                      headers=operator).json()
+    rest = client.get(
+        "/v1/nodes", params={"limit": 2, "cursor": page["next_cursor"]}, headers=operator
+    ).json()
     assert [n["node"] for n in rest["items"]] == ["node-3"]
     assert rest["next_cursor"] is None
 
 
-def test_filters_reach_the_service(client: TestClient, operator: dict[str, str],
-                                   canned: CannedServices) -> None:
-    r = client.get("/v1/incidents", params={
-        "job_id": "job-a", "resolution": "checkpoint_restart",
-        "from": "2026-01-01T00:00:00+02:00", "to": "2030-01-01T00:00:00Z"}, headers=operator)
+def test_filters_reach_the_service(
+    client: TestClient, operator: dict[str, str], canned: CannedServices
+) -> None:
+    r = client.get(
+        "/v1/incidents",
+        params={
+            "job_id": "job-a",
+            "resolution": "checkpoint_restart",
+            "from": "2026-01-01T00:00:00+02:00",
+            "to": "2030-01-01T00:00:00Z",
+        },
+        headers=operator,
+    )
     assert [i["incident_id"] for i in r.json()["items"]] == ["inc-a2"]
     sent = canned.last("scheduler", "incident_list")
     assert sent["job_id"] == "job-a"
@@ -332,8 +492,9 @@ def test_billing_export_as_csv_and_json(client: TestClient, operator: dict[str, 
     assert r.json()[0]["ChargeCategory"] == "Credit"
 
 
-def test_health_ready_and_metrics_need_no_token(client: TestClient,
-                                                operator: dict[str, str]) -> None:
+def test_health_ready_and_metrics_need_no_token(
+    client: TestClient, operator: dict[str, str]
+) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
     assert ready.status_code == 200
@@ -341,8 +502,10 @@ def test_health_ready_and_metrics_need_no_token(client: TestClient,
     client.get("/v1/jobs", headers=operator)
     metrics = client.get("/metrics")
     assert metrics.status_code == 200
-    assert 'torchrelay_http_request_seconds_count{method="GET",route="/v1/jobs",status="200"}' \
+    assert (
+        'torchrelay_http_request_seconds_count{method="GET",route="/v1/jobs",status="200"}'
         in metrics.text
+    )
 
 
 def test_unknown_route_is_a_problem(client: TestClient) -> None:
@@ -351,10 +514,16 @@ def test_unknown_route_is_a_problem(client: TestClient) -> None:
     assert r.headers["content-type"] == "application/problem+json"
 
 
-def test_readyz_is_503_when_nats_is_gone(fresh_nats: Any, redis_url: str,
-                                         canned: CannedServices) -> None:
-    cfg = ApiSettings(nats_url=fresh_nats.url, redis_url=redis_url, environment="test",
-                      operator_token="trdev_x" * 4, connect_timeout_s=5)
+def test_readyz_is_503_when_nats_is_gone(
+    fresh_nats: Any, redis_url: str, canned: CannedServices
+) -> None:
+    cfg = ApiSettings(
+        nats_url=fresh_nats.url,
+        redis_url=redis_url,
+        environment="test",
+        operator_token="trdev_x" * 4,
+        connect_timeout_s=5,
+    )
     with TestClient(create_app(cfg)) as client:
         assert client.get("/readyz").status_code == 200
         fresh_nats.kill()

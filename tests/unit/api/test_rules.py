@@ -109,12 +109,16 @@ def test_tenant_filter_pins_a_tenant_and_hides_others() -> None:
 def test_clusters_get_spare_counts_including_spare_only_clusters() -> None:
     merged = merge_clusters(
         [{"cluster": "east", "nodes": 4, "gpus": 32, "unhealthy": 1}],
-        [SpareDepth(cluster="east", nvlink_domain="a", available=2, floor=1),
-         SpareDepth(cluster="east", nvlink_domain="b", available=1, floor=1),
-         SpareDepth(cluster="west", nvlink_domain="a", available=5, floor=0)],
+        [
+            SpareDepth(cluster="east", nvlink_domain="a", available=2, floor=1),
+            SpareDepth(cluster="east", nvlink_domain="b", available=1, floor=1),
+            SpareDepth(cluster="west", nvlink_domain="a", available=5, floor=0),
+        ],
     )
     assert [(c.cluster, c.nodes, c.spares_available, c.spare_domains) for c in merged] == [
-        ("east", 4, 3, 2), ("west", 0, 5, 1)]
+        ("east", 4, 3, 2),
+        ("west", 0, 5, 1),
+    ]
 
 
 def test_token_request_names_the_tenant_field() -> None:
@@ -129,8 +133,13 @@ def test_token_request_names_the_tenant_field() -> None:
 def test_contract_request_refuses_a_backward_term() -> None:
     now = datetime.now(UTC)
     with pytest.raises(ValidationError, match="term_end must be after term_start"):
-        ContractRequest(tenant="acme", term_start=now, term_end=now - timedelta(days=1),
-                        renewal_fee_minor=1, currency="USD")
+        ContractRequest(
+            tenant="acme",
+            term_start=now,
+            term_end=now - timedelta(days=1),
+            renewal_fee_minor=1,
+            currency="USD",
+        )
 
 
 def test_spare_registration_derives_a_slot_id() -> None:
@@ -140,8 +149,9 @@ def test_spare_registration_derives_a_slot_id() -> None:
 
 def test_incident_buckets_hourly_then_daily() -> None:
     now = datetime(2026, 1, 2, 12, 30, tzinfo=UTC)
-    unit, buckets = incident_buckets([now - timedelta(minutes=5), now - timedelta(hours=3),
-                                      now + timedelta(seconds=5)], now)
+    unit, buckets = incident_buckets(
+        [now - timedelta(minutes=5), now - timedelta(hours=3), now + timedelta(seconds=5)], now
+    )
     assert unit == "hour"
     assert len(buckets) == 24
     assert sum(c for _, c in buckets) == 3
