@@ -440,10 +440,7 @@ def _ledger(api: ApiClient, args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     bad = result.get("first_bad")
-    if isinstance(bad, dict):
-        where = ", ".join(f"{k} {v}" for k, v in bad.items())
-    else:
-        where = str(bad)
+    where = ", ".join(f"{k} {v}" for k, v in bad.items()) if isinstance(bad, dict) else str(bad)
     print(
         f"ledger verify FAILED after {result.get('checked', 0)} entries; first bad entry: {where}",
         file=sys.stderr,
