@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import fnmatch
+import functools
 import importlib
 import importlib.metadata
 import io
@@ -140,7 +142,8 @@ def _env_names_of(cls: type[BaseSettings]) -> set[str]:
     return set().union(*(_field_env_names(cls, name) for name in cls.model_fields))
 
 
-def settings_classes() -> list[type[BaseSettings]]:
+@functools.cache
+def settings_classes() -> tuple[type[BaseSettings], ...]:
     """torchrelay.settings' classes plus each service's own settings classes.
 
     Service classes (e.g. ``services.api.settings.ApiSettings``) are found by scanning
@@ -164,7 +167,7 @@ def settings_classes() -> list[type[BaseSettings]]:
             obj = getattr(module, cls_def.name, None)
             if isinstance(obj, type) and issubclass(obj, BaseSettings):
                 classes.append(obj)
-    return classes
+    return tuple(classes)
 
 
 def known_env_names() -> frozenset[str]:
@@ -802,11 +805,12 @@ def k8s_secret_problems(docs: Sequence[Mapping[str, Any]]) -> list[str]:
                             f"{wl['kind']}/{wl['metadata']['name']}: volume "
                             f"{vol['name']} mounts missing key {item['key']}"
                         )
+    secret_settings = secret_env_names()
     for cm in _by_kind(docs, "ConfigMap"):
         for key, value in (cm.get("data") or {}).items():
             if (
                 SECRET_NAME_PATTERN.search(key) and str(value).lower() not in ("true", "false")
-            ) or key in secret_env_names():
+            ) or key in secret_settings:
                 problems.append(
                     f"ConfigMap/{cm['metadata']['name']}: {key} looks like a "
                     "secret; secrets go in the Secret"
@@ -965,8 +969,6 @@ def dockerignore_patterns(text: str) -> list[str]:
 
 def is_dockerignored(path: str, patterns: Sequence[str]) -> bool:
     """Whether ``path`` (or a parent folder) is excluded by .dockerignore (no ``!`` rules)."""
-    import fnmatch
-
     parts = Path(path).parts
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
     for pattern in patterns:

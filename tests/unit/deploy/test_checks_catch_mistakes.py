@@ -4,6 +4,8 @@ files and asserts that the checker names it."""
 from __future__ import annotations
 
 import copy
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -141,9 +143,7 @@ def test_k8s_checker_catches_an_unmounted_credentials_file_and_a_wrong_target_po
     assert _find(checks.k8s_service_problems(broken), "Service/api", "targetPort")
 
 
-def test_kustomization_checker_catches_a_missing_and_an_unlisted_manifest(tmp_path: Any) -> None:
-    import shutil
-
+def test_kustomization_checker_catches_a_missing_and_an_unlisted_manifest(tmp_path: Path) -> None:
     kdir = tmp_path / "kubernetes"
     shutil.copytree(checks.K8S_DIR, kdir)
     text = (kdir / "kustomization.yaml").read_text()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
+import tomllib
 from typing import Any
 
 from tests.unit.deploy import checks
@@ -84,3 +86,26 @@ def test_image_tag_is_the_package_version_everywhere(
         {"name": checks.IMAGE_REPOSITORY, "newTag": checks.package_version()}
     ]
     assert f"-t {checks.expected_image()}" in checks.DOCKERFILE.read_text()
+
+
+def test_pip_install_dot_ships_every_module_and_data_file() -> None:
+    """The image installs the package non-editable (`pip install .`): setuptools' package
+    discovery skips a folder without __init__.py, and data files not in package-data."""
+    project = tomllib.loads((checks.REPO / "pyproject.toml").read_text())
+    package_data: dict[str, list[str]] = project["tool"]["setuptools"].get("package-data", {})
+    problems = []
+    for root in (checks.REPO / "libs" / "torchrelay", checks.REPO / "services"):
+        for path in sorted(root.rglob("*")):
+            if "__pycache__" in path.parts or path.is_dir():
+                continue
+            if path.suffix == ".py":
+                if not (path.parent / "__init__.py").is_file():
+                    problems.append(f"{path.parent.relative_to(checks.REPO)} has no __init__.py")
+                continue
+            if path.suffix == ".pyc":
+                continue
+            top = path.relative_to(root.parent).parts[0]
+            rel = str(path.relative_to(root))
+            if not any(fnmatch.fnmatch(rel, g) for g in package_data.get(top, [])):
+                problems.append(f"{path.relative_to(checks.REPO)} is not in package-data")
+    assert sorted(set(problems)) == []
