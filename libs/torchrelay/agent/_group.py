@@ -160,13 +160,34 @@ def wait_work(work: Any, wakeup: Wakeup, stale: Callable[[], bool]) -> None:
     On Abandoned the caller owns ``work`` and must hand it (and its group) to
     :meth:`Backend.abandon`.
     """
-    fut = work.get_future()
+    try:
+        fut = work.get_future()
+    except RuntimeError:  # gloo send/recv have no future: a helper thread waits instead
+        _wait_on_thread(work, wakeup, stale)
+        return
     fut.add_done_callback(lambda _f: wakeup.set())
     wakeup.wait_for(fut.done, stale)
     try:
         fut.wait()
     except Exception as exc:
         raise CollectiveError(str(exc).splitlines()[0][:2000]) from exc
+
+
+def _wait_on_thread(work: Any, wakeup: Wakeup, stale: Callable[[], bool]) -> None:
+    box: dict[str, Any] = {}
+
+    def _wait() -> None:
+        try:
+            work.wait()
+            box["ok"] = True
+        except Exception as exc:
+            box["error"] = exc
+        wakeup.set()
+
+    threading.Thread(target=_wait, name="torchrelay-p2p-wait", daemon=True).start()
+    wakeup.wait_for(lambda: bool(box), stale)
+    if "error" in box:
+        raise CollectiveError(str(box["error"]).splitlines()[0][:2000]) from box["error"]
 
 
 def form_group(backend: Backend, make_store: Callable[[], Any], rank: int, world_size: int,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,7 @@ class JobRunner:
         executor = await FakeExecutor(self.bus, job_id, nproc,
                                       auto_replace=auto_replace).start()
         self.executors.append(executor)
+        env = {k: v.replace("{job}", job_id) for k, v in (env or {}).items()}
         job = LaunchedJob(job_id, self.nats_url, self.home, nproc=nproc, spares=spares,
                           env=env, nodes=nodes)
         self.jobs.append(job)
@@ -50,11 +51,3 @@ async def runner(bus: Bus, nats_url: str, tmp_path: Path) -> AsyncIterator[JobRu
     yield r
     await r.close()
 
-
-@pytest.fixture(scope="session")
-def reference_digests() -> dict[str, dict[int, str]]:
-    """Fault-free digests per job configuration, computed once per session."""
-    return {}
-
-
-Digests = Callable[[str], dict[int, str]]
