@@ -4,6 +4,25 @@ Handlers validate the request, call one :class:`~.inventory.SpareInventory` oper
 Lua script), then publish what changed: ``SpareReserved``, ``SpareReleased``,
 ``SpareQuarantined`` and ``SparePoolLow``, each with a deterministic event id so a retried
 request or a redelivered event publishes nothing twice.
+
+Verbs on ``tr.rpc.spare_pool.<verb>`` (errors: ``invalid`` / ``not_found`` / ``conflict``,
+naming the field):
+
+- ``register`` SpareSlot fields (``slot_id`` defaults to ``cluster:node:gpu``; state ``idle``
+  or ``hot`` with ``job_id``/``member_id``) -> ``{slot, previous_state}``; a slot on a
+  quarantined node is stored as ``quarantined``.
+- ``reserve {job_id, cluster, near_node?, gpu_model?, min_memory_mb?, lease_s=30,
+  request_id?}`` -> ``{lease_id, slot, expires_at, tier, replayed, near_node_known}``; the
+  same ``request_id`` gets the same lease back; nothing fits -> ``not_found`` saying why.
+- ``confirm {lease_id}`` -> ``{lease_id, slot}`` (in_use); expired/revoked -> ``conflict``.
+- ``release {lease_id, reason}`` -> ``{lease_id, outcome, slot}``; idempotent.
+- ``list {cluster?, state?, limit=100, cursor?}`` -> ``{items, next_cursor}``.
+- ``get {slot_id}`` -> the slot, ``excluded_by`` and its ``history`` of transitions.
+- ``quarantine {node, gpu?, cluster?, reason, rma=false}`` -> the node's slots; their leases
+  are revoked and the node stays excluded for later registrations. A node the pool has never
+  seen answers ``not_found`` (its exclusion is still remembered).
+- ``return {node, gpu?, cluster?, reason?}`` -> ``{returned, still_unhealthy}``.
+- ``depth {cluster?}`` -> ``[{cluster, nvlink_domain, available, floor, low}]``.
 """
 
 from __future__ import annotations
@@ -341,7 +360,7 @@ class SparePool:
                         outcome.since_ms,
                     ),
                     source=SERVICE,
-                    cluster=request.cluster or "local",
+                    cluster=request.cluster or self.settings.cluster,
                     node=request.node,
                     gpu=request.gpu,
                     state=state,
