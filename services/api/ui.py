@@ -213,7 +213,7 @@ async def incidents_panel(gw: Gateway, now: datetime) -> str:
     return (
         f'<p><span data-testid="incidents-total" data-count="{len(incidents)}">'
         f"{len(incidents)}</span> incidents {pills}</p>"
-        f"<p>per {unit}, last {len(buckets)} {unit}s (UTC)</p>"
+        f"<p>per {unit}, last {len(buckets)} {unit}s (UTC), oldest on the left</p>"
         f'{bars_svg([c for _, c in buckets])}<ul class="buckets" data-unit="{unit}">'
         f"{cells}</ul>"
     )
