@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -402,3 +403,26 @@ async def test_quarantine_revokes_leases_publishes_and_pool_low_fires_below_the_
     assert (await pool.rpc("depth", {}))[0]["available"] == 3
     assert SpareQuarantined.model_validate(quarantined.payloads[0]).state == "quarantined"
     assert SpareReleased.model_validate(released.payloads[0]).slot_id == "local:b:0"
+
+
+async def test_a_malformed_floor_setting_stops_the_service_naming_the_variable(
+    nats_url: str, redis_url: str
+) -> None:
+    env = {
+        **os.environ,
+        "NATS_URL": nats_url,
+        "REDIS_URL": redis_url,
+        "TORCHRELAY_SPARE_FLOOR": "nvl-0=lots",
+        "TORCHRELAY_ENVIRONMENT": "test",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.spare_pool",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2, out.decode()[-2000:]
+    assert "TORCHRELAY_SPARE_FLOOR" in out.decode()

@@ -198,3 +198,21 @@ def test_pool_low_fires_once_per_episode() -> None:
     assert pool_low_change(available=0, floor=2, was_low=True) is None
     assert pool_low_change(available=2, floor=2, was_low=True) == "recovered"
     assert pool_low_change(available=0, floor=0, was_low=False) is None  # disabled
+
+
+def test_public_surface_is_pinned() -> None:
+    import services.spare_pool as pool
+
+    assert sorted(pool.__all__) == [
+        "Lease",
+        "LeaseEnd",
+        "ReserveRequest",
+        "SlotView",
+        "SpareInventory",
+        "SparePool",
+        "SparePoolSettings",
+        "Topology",
+        "pick_spare",
+        "setup",
+    ]
+    assert all(hasattr(pool, name) for name in pool.__all__)
