@@ -1,9 +1,8 @@
-"""Test harness: the scheduler and executor in-process, agents and launcher simulated.
+"""Test harness: scheduler, executor and spare pool in-process; agents and launcher simulated.
 
-The agents are played by the test (JOINED / RESUMED reports, reading the generations KV) so
-these tests need no torch. The spare pool is a small in-memory responder of its RPC verbs
-(``SimSparePool``) that speaks the contract's shapes; the real service is used where it is
-importable (``real_spare_pool``).
+The agents and the launcher are played by the test (JOINED / RESUMED reports, fence and
+spawn_spare answers, reading the generations KV), so these tests need no torch. The spare
+pool is the real service, run in-process next to the scheduler and the executor.
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from nats.js.api import DeliverPolicy
@@ -25,7 +22,9 @@ from nats.js.api import DeliverPolicy
 from services.migration_executor.service import ExecutorSettings
 from services.migration_executor.service import setup as executor_setup
 from services.scheduler.service import setup as scheduler_setup
-from torchrelay.bus import Bus, NotFound
+from services.spare_pool.service import SparePoolSettings
+from services.spare_pool.service import setup as spare_pool_setup
+from torchrelay.bus import Bus, NoResponder
 from torchrelay.contract import (
     AgentReport,
     Event,
@@ -41,6 +40,9 @@ from torchrelay.contract import (
     ReportKind,
     Role,
     Severity,
+    SpareQuarantined,
+    SpareReleased,
+    SpareReserved,
     SpareSlot,
     Subjects,
     make_event_id,
@@ -104,106 +106,34 @@ class EventTap:
         return await wait_until(check, timeout, f"{kind.__name__} {match}")
 
 
-@dataclass
-class SimSparePool:
-    """The spare pool's RPC verbs over an in-memory inventory (contract shapes)."""
+class SparePoolView:
+    """What the real spare pool holds, read through its RPC verbs and its events."""
 
-    slots: dict[str, SpareSlot] = field(default_factory=dict)
-    leases: dict[str, dict[str, Any]] = field(default_factory=dict)
-    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    def __init__(self, bus: Bus, tap: EventTap) -> None:
+        self.bus = bus
+        self.tap = tap
 
-    def add(self, slot: SpareSlot) -> None:
-        self.slots[slot.slot_id] = slot
+    async def register(self, slot: SpareSlot) -> None:
+        await self.bus.request(Subjects.rpc("spare_pool", "register"), slot.model_dump(mode="json"))
 
-    async def serve(self, bus: Bus) -> None:
-        for verb in ("register", "reserve", "confirm", "release", "quarantine"):
-            await bus.serve("spare_pool", verb, getattr(self, verb))
+    async def slot(self, slot_id: str) -> dict[str, Any]:
+        got: dict[str, Any] = await self.bus.request(
+            Subjects.rpc("spare_pool", "get"), {"slot_id": slot_id}
+        )
+        return got
 
-    async def register(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("register", body))
-        slot = SpareSlot.model_validate(body)
-        self.add(slot)
-        return slot.model_dump(mode="json")
+    async def in_state(self, state: str) -> list[str]:
+        page = await self.bus.request(Subjects.rpc("spare_pool", "list"), {"state": state})
+        return [item["slot_id"] for item in page["items"]]
 
-    async def reserve(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("reserve", body))
-        job_id = body["job_id"]
-        for lease_id, lease in self.leases.items():
-            if lease["request_id"] and lease["request_id"] == body.get("request_id"):
-                return {
-                    "lease_id": lease_id,
-                    "slot": lease["slot"],
-                    "expires_at": lease["expires_at"],
-                }
-        free = [
-            s
-            for s in self.slots.values()
-            if (s.state == "hot" and s.job_id == job_id) or s.state == "idle"
-        ]
-        free.sort(key=lambda s: (s.state != "hot", s.node == body.get("near_node"), s.slot_id))
-        if not free:
-            raise NotFound(f"no spare for job {job_id} in cluster {body.get('cluster')}", "cluster")
-        slot = free[0]
-        self.slots[slot.slot_id] = slot.model_copy(update={"state": "reserved"})
-        lease_id = uuid.uuid4().hex
-        expires = datetime.now(UTC) + timedelta(seconds=float(body.get("lease_s", 30)))
-        self.leases[lease_id] = {
-            "slot": slot.model_dump(mode="json"),
-            "state": "leased",
-            "request_id": body.get("request_id"),
-            "previous": slot.state,
-            "expires_at": expires.isoformat(),
-        }
-        return {
-            "lease_id": lease_id,
-            "slot": slot.model_dump(mode="json"),
-            "expires_at": expires.isoformat(),
-        }
+    def reservations(self) -> list[SpareReserved]:
+        return self.tap.of(SpareReserved)
 
-    async def confirm(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("confirm", body))
-        lease = self.leases.get(body["lease_id"])
-        if lease is None:
-            raise NotFound("no such lease", "lease_id")
-        lease["state"] = "confirmed"
-        slot_id = lease["slot"]["slot_id"]
-        self.slots[slot_id] = self.slots[slot_id].model_copy(update={"state": "in_use"})
-        return {"lease_id": body["lease_id"], "state": "confirmed"}
+    def releases(self) -> list[SpareReleased]:
+        return self.tap.of(SpareReleased)
 
-    async def release(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("release", body))
-        lease = self.leases.get(body["lease_id"])
-        if lease is None:
-            raise NotFound("no such lease", "lease_id")
-        if lease["state"] == "leased":
-            lease["state"] = "released"
-            slot_id = lease["slot"]["slot_id"]
-            self.slots[slot_id] = self.slots[slot_id].model_copy(
-                update={"state": lease["previous"]}
-            )
-        return {"lease_id": body["lease_id"], "state": lease["state"]}
-
-    async def quarantine(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("quarantine", body))
-        hit = [
-            s
-            for s in self.slots.values()
-            if s.node == body["node"] and body.get("gpu") in (None, s.gpu)
-        ]
-        for slot in hit:
-            self.slots[slot.slot_id] = slot.model_copy(update={"state": "quarantined"})
-        return {
-            "node": body["node"],
-            "gpu": body.get("gpu"),
-            "quarantined": [s.slot_id for s in hit],
-        }
-
-    def verbs(self, verb: str) -> list[dict[str, Any]]:
-        return [b for v, b in self.calls if v == verb]
-
-    def open_leases(self) -> list[str]:
-        """Leases neither confirmed nor released: a leak, once the saga is over."""
-        return [lid for lid, lease in self.leases.items() if lease["state"] == "leased"]
+    def quarantines(self) -> list[SpareQuarantined]:
+        return self.tap.of(SpareQuarantined)
 
 
 @dataclass
@@ -360,6 +290,13 @@ class SimJob:
         """Register, join every member and resume generation 1: a running job."""
         await self.serve_launcher()
         await self.register()
+        for j in range(self.spares):
+            # As the launcher does (protocol §1): each hot spare is offered to the pool.
+            with contextlib.suppress(NoResponder):
+                await self.bus.request(
+                    Subjects.rpc("spare_pool", "register"),
+                    self.spare_slot(j).model_dump(mode="json"),
+                )
         for i in range(self.world_size):
             await self.joined(self.worker(i))
         for j in range(self.spares):
@@ -407,9 +344,10 @@ async def control_plane(
     *,
     scheduler: bool = True,
     executor: bool = True,
+    spare_pool: bool = True,
     **executor_overrides: Any,
 ) -> AsyncIterator[None]:
-    """The scheduler and the executor running in this process until the block ends."""
+    """The scheduler, the executor and the spare pool in this process until the block ends."""
     common = {
         "nats_url": nats_url,
         "redis_url": redis_url,
@@ -430,6 +368,8 @@ async def control_plane(
             )
         )
 
+    if spare_pool:
+        start("spare_pool", spare_pool_setup, SparePoolSettings(**common))
     if scheduler:
         start("scheduler", scheduler_setup, ServiceSettings(**common))
     if executor:

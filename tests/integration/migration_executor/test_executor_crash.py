@@ -21,7 +21,7 @@ from torchrelay.contract import (
 from .harness import (
     EventTap,
     SimJob,
-    SimSparePool,
+    SparePoolView,
     control_plane,
     executor_process,
     incident_closed,
@@ -42,12 +42,8 @@ async def tap(bus: Bus) -> AsyncIterator[EventTap]:
 
 
 @pytest.fixture
-async def pool(nats_url: str) -> AsyncIterator[SimSparePool]:
-    p = SimSparePool()
-    b = await Bus.connect(nats_url, "spare_pool")
-    await p.serve(b)
-    yield p
-    await b.close()
+def pool(bus: Bus, tap: EventTap) -> SparePoolView:
+    return SparePoolView(bus, tap)
 
 
 async def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -68,10 +64,9 @@ async def test_killed_executor_resumes_the_saga_without_leaking_or_repeating(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, f"crash-{crash_at.replace('_', '-')}")
-    pool.add(job.spare_slot(0))
     first = executor_process(nats_url, redis_url, TORCHRELAY_TEST_CRASH_AT=crash_at)
     second: subprocess.Popen[bytes] | None = None
     try:
@@ -81,7 +76,7 @@ async def test_killed_executor_resumes_the_saga_without_leaking_or_repeating(
             # The executor dies like kill -9 right after the named step.
             code = await asyncio.to_thread(first.wait, 60)
             assert code == CRASH_EXIT, (first.stderr.read() if first.stderr else b"")[-2000:]
-            assert len(pool.open_leases()) == 1  # reserved, not yet confirmed
+            assert await pool.in_state("reserved") == ["local:local-2:0"]  # not confirmed
             current = await bus.get_generation(job.job_id)
             assert current is not None
             assert current[0].generation == (1 if crash_at == "after_reserve" else 2)
@@ -95,12 +90,12 @@ async def test_killed_executor_resumes_the_saga_without_leaking_or_repeating(
             assert inc.stall_ms == 80.0
 
             async def settled() -> bool:
-                return len(pool.verbs("confirm")) >= 1
+                return (await pool.slot("local:local-2:0"))["state"] == "in_use"
 
             await wait_until(settled, what="the lease confirmed")
             # One reservation, confirmed: nothing leaked, nothing reserved twice.
-            assert len(pool.verbs("reserve")) == 1
-            assert pool.open_leases() == []
+            assert len(pool.reservations()) == 1
+            assert await pool.in_state("reserved") == []
             assert len(tap.of(MigrationCompleted, job_id=job.job_id)) == 1
             assert len([e for e in tap.of(IncidentClosed) if e.incident.job_id == job.job_id]) == 1
             assert (await bus.get_generation(job.job_id))[0].generation == 2  # type: ignore[index]

@@ -30,7 +30,7 @@ from torchrelay.contract import (
     Subjects,
 )
 
-from .harness import EventTap, SimJob, SimSparePool, control_plane, incident_closed, wait_until
+from .harness import EventTap, SimJob, SparePoolView, control_plane, incident_closed, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +44,8 @@ async def tap(bus: Bus) -> AsyncIterator[EventTap]:
 
 
 @pytest.fixture
-async def pool(nats_url: str) -> AsyncIterator[SimSparePool]:
-    p = SimSparePool()
-    b = await Bus.connect(nats_url, "spare_pool")
-    await p.serve(b)
-    yield p
-    await b.close()
+def pool(bus: Bus, tap: EventTap) -> SparePoolView:
+    return SparePoolView(bus, tap)
 
 
 SURVIVOR_FIGURES = {
@@ -66,10 +62,9 @@ async def test_worker_lost_migrates_live_to_the_hot_spare(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j1")
-    pool.add(job.spare_slot(0))
     async with control_plane(nats_url, redis_url):
         gen1 = await job.start()
         assert [a.member_id for a in gen1.ranks] == ["j1-w0", "j1-w1", "j1-w2", "j1-w3"]
@@ -97,9 +92,12 @@ async def test_worker_lost_migrates_live_to_the_hot_spare(
         assert len(done) == 1
         assert (done[0].to_node, done[0].to_gpu) == ("local-2", 0)
         assert [f.member_id for f in job.fences] == ["j1-w1"]
-        assert len(pool.verbs("confirm")) == 1
-        assert pool.open_leases() == []
-        assert [(q["node"], q["gpu"]) for q in pool.verbs("quarantine")] == [("local-1", 0)]
+        spare = await pool.slot("local:local-2:0")
+        assert (spare["state"], spare["job_id"]) == ("in_use", "j1")  # confirmed
+        assert await pool.in_state("reserved") == []  # no lease left dangling
+        # The failed slot is out of service: a spare offered there starts quarantined.
+        await pool.register(SpareSlot(slot_id="local:local-1:0", node="local-1", gpu=0))
+        assert (await pool.slot("local:local-1:0"))["state"] == "quarantined"
         assert len(tap.of(IncidentOpened)) == 1
         assert {e.generation for e in tap.of(GenerationChanged, job_id="j1")} == {1, 2}
 
@@ -110,10 +108,9 @@ async def test_row_remap_warning_moves_at_the_boundary(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j2")
-    pool.add(job.spare_slot(0))
     async with control_plane(nats_url, redis_url):
         await job.start()
         # An XID 63 on the GPU of rank 3 (local-1, gpu 1): a node-agent fault, no job named.
@@ -141,11 +138,9 @@ async def test_drain_moves_every_rank_off_the_node(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j3", spares=2)
-    pool.add(job.spare_slot(0))
-    pool.add(job.spare_slot(1))
     async with control_plane(nats_url, redis_url):
         await job.start()
         reply = await bus.request(Subjects.rpc("scheduler", "drain"), {"node": "local-1"})
@@ -165,7 +160,9 @@ async def test_drain_moves_every_rank_off_the_node(
         closed = await _closed(tap, "j3", 2)
         assert {c.incident.resolution for c in closed} == {Resolution.MIGRATED_PROACTIVE}
         assert {c.incident.fault_kind for c in closed} == {FaultKind.PLANNED_DRAIN}
-        assert pool.verbs("quarantine") == []  # a drained slot is healthy: not quarantined
+        # A drained slot is healthy, not quarantined: a spare offered there is usable.
+        await pool.register(SpareSlot(slot_id="local:local-1:7", node="local-1", gpu=7))
+        assert (await pool.slot("local:local-1:7"))["state"] == "idle"
         assert sorted(f.member_id for f in job.fences) == ["j3-w1", "j3-w3"]
 
 
@@ -184,7 +181,7 @@ async def test_no_spare_with_checkpoint_restart_policy_falls_back(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j4", spares=0, policy=JobPolicy.CHECKPOINT_RESTART)
     async with control_plane(nats_url, redis_url):
@@ -204,22 +201,23 @@ async def test_wait_policy_uses_a_spare_registered_during_the_wait(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j5", spares=0, policy=JobPolicy.WAIT, wait_timeout_s=30)
     async with control_plane(nats_url, redis_url):
         await job.start()
         await bus.publish(job.fault(rank=0), Subjects.FAULT_DETECTED)
 
-        async def asked_twice() -> bool:
-            return len(pool.verbs("reserve")) >= 2  # it found none and keeps asking
+        async def waiting() -> bool:
+            sagas = await bus.request(
+                Subjects.rpc("migration_executor", "saga_list"), {"job_id": "j5"}
+            )
+            return [s["phase"] for s in sagas["items"]] == ["wait_spare"]
 
-        await wait_until(asked_twice, what="repeated reservations during the wait")
+        await wait_until(waiting, what="the saga waiting for a spare")
         # An operator brings a spare: the launcher registers it, its agent joins.
         spare = job.spare(0)
-        await bus.request(
-            Subjects.rpc("spare_pool", "register"), job.spare_slot(0).model_dump(mode="json")
-        )
+        await pool.register(job.spare_slot(0))
         await job.joined(spare)
         gen2 = await job.generation(2)
         assert gen2.ranks[0].member_id == "j5-s0"
@@ -236,7 +234,7 @@ async def test_wait_policy_gives_up_after_its_bound(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j5b", spares=0, policy=JobPolicy.WAIT, wait_timeout_s=1.0)
     async with control_plane(nats_url, redis_url):
@@ -252,7 +250,7 @@ async def test_shrink_policy_writes_a_smaller_generation(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j6", spares=0, policy=JobPolicy.SHRINK, allow_shrink=True)
     async with control_plane(nats_url, redis_url):
@@ -272,11 +270,9 @@ async def test_spare_that_never_resumes_is_replaced_by_the_next(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j7", spares=2)
-    pool.add(job.spare_slot(0))
-    pool.add(job.spare_slot(1))
     async with control_plane(nats_url, redis_url, resume_timeout_s=1.5):
         await job.start()
         await bus.publish(job.fault(rank=2), Subjects.FAULT_DETECTED)
@@ -292,8 +288,9 @@ async def test_spare_that_never_resumes_is_replaced_by_the_next(
         inc = (await incident_closed(tap, "j7")).incident
         assert inc.resolution == Resolution.MIGRATED_LIVE
         assert (inc.generation_before, inc.generation_after) == (2, 3)
-        assert len(pool.verbs("release")) == 1
-        assert pool.open_leases() == []
+        assert len(pool.releases()) == 1  # the first spare's lease was handed back
+        assert await pool.in_state("reserved") == []
+        assert [(q.node, q.gpu) for q in pool.quarantines()] == [("local-2", 0)]
         assert sorted(f.member_id for f in job.fences) == sorted([first, "j7-w2"])
 
 
@@ -303,11 +300,11 @@ async def test_cold_slot_is_started_by_the_launcher(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j8", spares=0)
-    pool.add(SpareSlot(slot_id="local:local-3:0", node="local-3", gpu=0, state="idle"))
     async with control_plane(nats_url, redis_url):
+        await pool.register(SpareSlot(slot_id="local:local-3:0", node="local-3", gpu=0))
         await job.start()
         await bus.publish(job.fault(rank=3), Subjects.FAULT_DETECTED)
         gen2 = await job.generation(2)
@@ -325,10 +322,9 @@ async def test_application_error_is_recorded_not_migrated(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j9")
-    pool.add(job.spare_slot(0))
     async with control_plane(nats_url, redis_url):
         await job.start()
         await bus.publish(
@@ -338,7 +334,7 @@ async def test_application_error_is_recorded_not_migrated(
         inc = (await incident_closed(tap, "j9")).incident
         assert inc.resolution == Resolution.EXCLUDED
         assert tap.of(MigrationRequested) == []
-        assert pool.verbs("reserve") == []
+        assert pool.reservations() == []
 
 
 async def test_repeated_requests_and_faults_start_one_migration(
@@ -347,11 +343,9 @@ async def test_repeated_requests_and_faults_start_one_migration(
     nats_url: str,
     redis_url: str,
     tap: EventTap,
-    pool: SimSparePool,
+    pool: SparePoolView,
 ) -> None:
     job = SimJob(bus, "j10", spares=2)
-    pool.add(job.spare_slot(0))
-    pool.add(job.spare_slot(1))
     async with control_plane(nats_url, redis_url):
         await job.start()
         fault = job.fault(rank=1)
@@ -373,7 +367,7 @@ async def test_repeated_requests_and_faults_start_one_migration(
         assert sagas["items"][0]["phase"] == "done"
         assert len(tap.of(MigrationRequested, job_id="j10")) == 2  # the original + our copy
         assert len(tap.of(MigrationCompleted, job_id="j10")) == 1
-        assert len(pool.verbs("reserve")) == 1
+        assert len(pool.reservations()) == 1
         assert (await bus.get_generation("j10"))[0].generation == 2  # type: ignore[index]
         incidents = await bus.request(Subjects.rpc("scheduler", "incident_list"), {"job_id": "j10"})
         assert len(incidents["items"]) == 1
