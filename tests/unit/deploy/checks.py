@@ -33,6 +33,7 @@ from pydantic_settings import BaseSettings
 from torchrelay import runtime, stack
 from torchrelay.cli import COMMANDS
 from torchrelay.contract import SERVICES
+from torchrelay.settings import CommonSettings, ServiceSettings
 
 REPO = Path(__file__).resolve().parents[3]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -976,3 +977,64 @@ def is_dockerignored(path: str, patterns: Sequence[str]) -> bool:
         if any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(Path(p).name, pat) for p in prefixes):
             return True
     return False
+
+
+# ------------------------------------------------------------ settings validation
+
+
+def settings_class_for(argv: Sequence[str]) -> type[CommonSettings]:
+    """The settings class the process of ``argv`` loads.
+
+    The detector agent loads CommonSettings; a service loads the most derived settings class
+    defined in its own package (e.g. ApiSettings), else ServiceSettings.
+    """
+    if argv[3:4] == ["agent"]:
+        return CommonSettings
+    package = argv[2] if len(argv) > 2 else ""
+    own = [
+        c
+        for c in settings_classes()
+        if c.__module__.startswith(f"{package}.") and issubclass(c, CommonSettings)
+    ]
+    own = [c for c in own if not any(o is not c and issubclass(o, c) for o in own)]
+    if len(own) == 1 and issubclass(own[0], CommonSettings):
+        return own[0]
+    return ServiceSettings
+
+
+def k8s_resolved_env(
+    docs: Sequence[Mapping[str, Any]], container: Mapping[str, Any], secrets: Mapping[str, str]
+) -> dict[str, str]:
+    """The environment the container would really get: Secret keys replaced by ``secrets``
+    (key -> value), the downward API by a sample node name, and ``$(VAR)`` expanded."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom") or []:
+        ref = source.get("configMapRef")
+        if ref:
+            env.update(_configmap(docs, ref["name"]) or {})
+    for item in container.get("env") or []:
+        value_from = item.get("valueFrom") or {}
+        if "value" in item:
+            value = ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), str(item["value"]))
+        elif "secretKeyRef" in value_from:
+            value = secrets[value_from["secretKeyRef"]["key"]]
+        else:
+            value = "gpu-node-1"
+        env[item["name"]] = value
+    return env
+
+
+def compose_resolved_env(env: Mapping[str, str], variables: Mapping[str, str]) -> dict[str, str]:
+    """Compose interpolation: ``${VAR}``, ``${VAR:?msg}`` from ``variables``; ``${VAR:-d}``
+    from ``variables`` else the default."""
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, rest = m.group(1), m.group(2) or "", m.group(3) or ""
+        if name in variables:
+            return variables[name]
+        if op in (":-", "-"):
+            return rest
+        raise KeyError(f"compose needs {name} set ({rest or 'no default'})")
+
+    pattern = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+    return {k: pattern.sub(sub, v) for k, v in env.items()}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -10,6 +12,7 @@ import pytest
 
 from tests.unit.deploy import checks
 from torchrelay.contract import SERVICES
+from torchrelay.settings import SettingsError, load_settings
 
 
 def _service_running(compose: dict[str, Any], module: str) -> tuple[str, list[str]]:
@@ -123,3 +126,37 @@ def test_detector_agent_runs_in_agent_mode_under_the_gpu_profile(compose: dict[s
     argv = checks.as_argv(agent["command"])
     assert argv[:4] == ["python", "-m", "services.detector", "agent"]
     assert agent["profiles"] == ["gpu"]
+
+
+def test_every_service_environment_loads_its_settings_class(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a filled-in .env, each service's environment is valid for the settings class its
+    process loads, in production mode; with the example's placeholders the api refuses."""
+    variables = {
+        "NATS_PASSWORD": secrets.token_urlsafe(24),
+        "REDIS_PASSWORD": secrets.token_urlsafe(24),
+        "TORCHRELAY_OPERATOR_TOKEN": secrets.token_urlsafe(24),
+    }
+    for name, svc in checks.compose_torchrelay_services(compose).items():
+        argv = checks.as_argv(svc.get("command"))
+        env = checks.compose_resolved_env(checks.compose_env(svc), variables)
+        with monkeypatch.context() as m:
+            for key in [k for k in os.environ if k.startswith("TORCHRELAY_")]:
+                m.delenv(key)
+            for key, value in env.items():
+                m.setenv(key, value)
+            settings = load_settings(checks.settings_class_for(argv))
+        assert settings.environment == "production", name
+        assert variables["NATS_PASSWORD"] in settings.nats_url, name
+
+    example = dict(
+        line.split("=", 1)
+        for line in checks.COMPOSE_ENV_EXAMPLE.read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    api_env = checks.compose_resolved_env(checks.compose_env(compose["services"]["api"]), example)
+    for key, value in api_env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SettingsError, match="TORCHRELAY_OPERATOR_TOKEN"):
+        load_settings(checks.settings_class_for(["python", "-m", "services.api"]))

@@ -3,6 +3,8 @@ so the resources are read as listed in kustomization.yaml."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 from tests.unit.deploy import checks
 from torchrelay.contract import SERVICES
 from torchrelay.runtime import find_nats_server
+from torchrelay.settings import SettingsError, load_settings
 
 
 def test_kustomization_lists_every_manifest_and_each_parses() -> None:
@@ -117,3 +120,49 @@ def test_nats_server_accepts_the_configuration(
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _random_secrets(k8s_docs: list[dict[str, Any]]) -> dict[str, str]:
+    secret = next(d for d in k8s_docs if d["kind"] == "Secret")
+    values = {k: secrets.token_urlsafe(24) for k in secret["stringData"]}
+    values["nats.creds"] = f"{values['nats-user']}:{values['nats-password']}"
+    return values
+
+
+def test_every_container_environment_loads_its_settings_class(
+    k8s_docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With real secret values, each container's environment is valid for the settings class
+    its process loads, in production mode (so the deployment starts)."""
+    values = _random_secrets(k8s_docs)
+    for where, _, c in checks.k8s_torchrelay_containers(k8s_docs):
+        argv = checks.as_argv(c.get("command")) + checks.as_argv(c.get("args"))
+        env = checks.k8s_resolved_env(k8s_docs, c, values)
+        cls = checks.settings_class_for(argv)
+        with monkeypatch.context() as m:
+            for key in [k for k in os.environ if k.startswith("TORCHRELAY_")]:
+                m.delenv(key)
+            for key, value in env.items():
+                m.setenv(key, value)
+            settings = load_settings(cls)
+        assert settings.environment == "production", where
+        assert settings.stream_replicas == 3, where
+        assert values["redis-password"] in settings.redis_url or argv[3:4] == ["agent"], where
+
+
+def test_the_placeholder_secrets_do_not_start_the_api(
+    k8s_docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = next(d for d in k8s_docs if d["kind"] == "Secret")
+    api = next(
+        c
+        for _, _, c in checks.k8s_torchrelay_containers(k8s_docs)
+        if checks.as_argv(c.get("command"))[2:3] == ["services.api"]
+    )
+    env = checks.k8s_resolved_env(k8s_docs, api, secret["stringData"])
+    cls = checks.settings_class_for(["python", "-m", "services.api"])
+    assert cls.__name__ == "ApiSettings"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SettingsError, match="TORCHRELAY_OPERATOR_TOKEN"):
+        load_settings(cls)
