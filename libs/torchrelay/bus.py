@@ -192,6 +192,7 @@ class Bus:
         self.service = service
         self.metrics = metrics
         self._kv: KeyValue | None = None
+        self._replicas = 1
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
         self._stopping = asyncio.Event()
@@ -294,6 +295,7 @@ class Bus:
                 await self.js.add_stream(cfg)
             except nats.js.errors.BadRequestError:
                 await self.js.update_stream(cfg)
+        self._replicas = replicas
         await self.generations()
 
     async def generations(self) -> KeyValue:
@@ -303,7 +305,12 @@ class Bus:
                 self._kv = await self.js.key_value(GENERATIONS_BUCKET)
             except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
                 self._kv = await self.js.create_key_value(
-                    KeyValueConfig(bucket=GENERATIONS_BUCKET, history=16, storage=StorageType.FILE)
+                    KeyValueConfig(
+                        bucket=GENERATIONS_BUCKET,
+                        history=16,
+                        storage=StorageType.FILE,
+                        replicas=self._replicas,
+                    )
                 )
         return self._kv
 
