@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from torchrelay.bus import Bus, NoResponder, RpcFailed, StaleRevision
+from torchrelay.bus import Bus, BusError, NoResponder, RpcFailed, StaleRevision
 from torchrelay.contract import (
     FenceOrder,
     Generation,
@@ -207,6 +207,9 @@ class SagaRunner:
             if exc.error.code not in _NO_SPARE_CODES:
                 self.log.warning("spare pool refused the reservation: %s", exc)
             return await self._save(saga.no_spare(state, now, self.timing, exc.error.message))
+        except BusError as exc:  # a malformed reply: as good as no answer
+            self.log.warning("spare pool answered badly: %s", exc)
+            return await self._save(saga.pool_unreachable(state, now, self.timing))
         lease = _lease(result)
         if lease is None:
             return await self._save(saga.no_spare(state, now, self.timing, "no lease"))
@@ -232,7 +235,7 @@ class SagaRunner:
                 {"node": slot.node, "gpu": slot.gpu, "slot_id": slot.slot_id},
             )
             member_id = str(result["member_id"])
-        except (NoResponder, RpcFailed, KeyError, TypeError) as exc:
+        except (BusError, KeyError, TypeError) as exc:
             return await self._save(
                 saga.timed_out(state, now, self.timing, f"could not start a spare: {exc}")
             )
@@ -349,9 +352,6 @@ class SagaRunner:
         try:
             await self._request(subject, payload)
             return True
-        except RpcFailed as exc:
-            self.log.warning("%s refused: %s", what, exc)
-            return True
         except NoResponder as exc:
             if (now - state.phase_since).total_seconds() >= self.timing.reserve_timeout_s:
                 self.log.warning("%s unanswered, going on: %s", what, exc)
@@ -362,6 +362,9 @@ class SagaRunner:
                 )
             )
             return False
+        except BusError as exc:  # refused, or a malformed reply: nothing to retry
+            self.log.warning("%s refused: %s", what, exc)
+            return True
 
     async def _confirm(self, state: SagaState, now: datetime) -> SagaState | None:
         assert state.lease is not None
@@ -400,7 +403,7 @@ class SagaRunner:
         )
         try:
             await self.bus.request(Subjects.fence(state.job_id), order, timeout=self.rpc_timeout_s)
-        except (NoResponder, RpcFailed) as exc:
+        except BusError as exc:
             # The member fences itself when it sees the newer generation (protocol §5).
             self.log.warning("fence of %s not confirmed: %s", member_id, exc)
 
@@ -494,11 +497,13 @@ class SagaRunner:
                         "reason": state.reason or f"migration {state.migration_id} compensated",
                     },
                 )
-            except RpcFailed as exc:
-                self.log.warning("release of lease %s refused: %s", lease_id, exc)
             except NoResponder:
-                # An unconfirmed lease expires by itself; try again until then.
-                return None
+                # An unconfirmed lease expires by itself: try again until it would have.
+                if (utcnow() - state.updated_at).total_seconds() < self.lease_s:
+                    return None
+                self.log.warning("lease %s never released: the pool was unreachable", lease_id)
+            except BusError as exc:
+                self.log.warning("release of lease %s refused: %s", lease_id, exc)
             return await self._save(saga.compensated(state, released=lease_id))
         if state.to_quarantine:
             ref = state.to_quarantine[0]
@@ -512,7 +517,7 @@ class SagaRunner:
                         "reason": ref.reason,
                     },
                 )
-            except (RpcFailed, NoResponder) as exc:
+            except BusError as exc:
                 self.log.warning("quarantine of %s:%s failed: %s", ref.node, ref.gpu, exc)
             return await self._save(saga.compensated(state, quarantined_slot=ref))
         member = state.to_fence[0]

@@ -23,6 +23,7 @@ from torchrelay.contract import (
     ReportKind,
     Subjects,
     Token,
+    utcnow,
 )
 from torchrelay.generations import GenerationError, changed_event, form_first
 from torchrelay.service import ServiceContext
@@ -133,11 +134,6 @@ class Executor:
 
     async def on_migration_requested(self, request: MigrationRequested) -> None:
         """Start the migration's saga once; a repeated request finds it and does nothing."""
-        if await self.store.load(request.migration_id) is not None:
-            self.ctx.log.info(
-                "migration already has a saga", extra={"migration_id": request.migration_id}
-            )
-            return
         job = await self.store.job(request.job_id)
         terms = (
             JobTerms()
@@ -150,10 +146,13 @@ class Executor:
                 allow_shrink=job.allow_shrink,
             )
         )
-        await self.store.remember_request(request)
-        state = saga.start(request, terms, request.occurred_at)
-        if await self.store.create(state):
+        state = saga.start(request, terms, utcnow())
+        if await self.store.create(state, request):
             self.runner.kick(request.migration_id)
+        else:
+            self.ctx.log.info(
+                "migration already has a saga", extra={"migration_id": request.migration_id}
+            )
 
     async def on_report(self, report: AgentReport) -> None:
         if report.kind == ReportKind.JOINED:

@@ -18,6 +18,16 @@ from torchrelay.contract import AgentReport, JobRegistered, MigrationRequested
 
 from .saga import SagaState
 
+_CREATE_SCRIPT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') == false then return 0 end
+redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[4], ARGV[3], ARGV[2])
+redis.call('SET', KEYS[5], ARGV[4])
+redis.call('SET', KEYS[6], ARGV[2], 'NX')
+return 1
+"""
+
 
 def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -32,19 +42,27 @@ class ExecutorStore:
 
     # ------------------------------------------------------------------ sagas
 
-    async def create(self, state: SagaState) -> bool:
-        """Store a new saga; False if the migration already has one (a redelivery)."""
-        created = await self._r.set(
-            f"{self._p}:saga:{state.migration_id}", state.model_dump_json(), nx=True
+    async def create(self, state: SagaState, request: MigrationRequested) -> bool:
+        """Store a new saga; False if the migration already has one (a redelivery).
+
+        One script: the saga, its indexes, the request it came from and, if no other
+        migration holds it, the job's lock, in one atomic step (and one AOF write).
+        """
+        created = await self._r.eval(
+            _CREATE_SCRIPT,
+            6,
+            f"{self._p}:saga:{state.migration_id}",
+            f"{self._p}:sagas:active",
+            f"{self._p}:sagas:job:{state.job_id}",
+            f"{self._p}:sagas",
+            f"{self._p}:request:{state.migration_id}",
+            f"{self._p}:joblock:{state.job_id}",
+            state.model_dump_json(),
+            state.migration_id,
+            str(state.created_at.timestamp()),
+            request.model_dump_json(),
         )
-        if not created:
-            return False
-        pipe = self._r.pipeline(transaction=True)
-        pipe.sadd(f"{self._p}:sagas:active", state.migration_id)
-        pipe.sadd(f"{self._p}:sagas:job:{state.job_id}", state.migration_id)
-        pipe.zadd(f"{self._p}:sagas", {state.migration_id: state.created_at.timestamp()})
-        await pipe.execute()
-        return True
+        return bool(created)
 
     async def save(self, state: SagaState) -> None:
         """Persist a saga's new state (before the runner acts on it)."""
@@ -89,12 +107,6 @@ class ExecutorStore:
     async def job_lock_holder(self, job_id: str) -> str | None:
         raw = await self._r.get(f"{self._p}:joblock:{job_id}")
         return None if raw is None else _text(raw)
-
-    async def remember_request(self, request: MigrationRequested) -> None:
-        """Keep the request a saga came from (for the saga RPC and post-mortems)."""
-        await self._r.set(
-            f"{self._p}:request:{request.migration_id}", request.model_dump_json(), nx=True
-        )
 
     # ------------------------------------------------------------------ jobs
 

@@ -3,7 +3,7 @@
 Keys under ``tr:scheduler``: ``incident:<id>`` (the record), ``incidents`` and
 ``incidents:job:<job>`` (sorted by detection time), ``fault:<fault_id>:<job>:<rank>`` (which
 incident a fault went to, so a redelivered fault is a no-op), ``open:<job>:<member>`` (the
-open incident of a member, so a second fault on it folds in) and ``migration:<id>``.
+open incident of a member, so a second fault on it folds in).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from torchrelay.contract import Incident, MigrationMode, Resolution
+from torchrelay.contract import Incident, Resolution
 
 # Opens an incident only if neither this fault nor another open one already covers the
 # member: one atomic step, so two deliveries racing cannot both open one.
@@ -98,18 +98,6 @@ class IncidentStore:
     async def get(self, incident_id: str) -> Incident | None:
         record = await self.record(incident_id)
         return None if record is None else Incident.model_validate(record["incident"])
-
-    async def set_migration(self, incident_id: str, migration_id: str, mode: MigrationMode) -> None:
-        """Remember the migration an incident started, to close it on the result."""
-        record = await self.record(incident_id)
-        if record is None:
-            return
-        record["migration_id"] = migration_id
-        record["mode"] = mode.value
-        pipe = self._r.pipeline(transaction=True)
-        pipe.set(self._key(incident_id), json.dumps(record))
-        pipe.set(f"{self._p}:migration:{migration_id}", incident_id)
-        await pipe.execute()
 
     async def close(self, closed: Incident) -> bool:
         """Store the closed incident; False if it was already closed (nothing changes)."""

@@ -197,6 +197,16 @@ class JobRegistry:
         body = json.dumps({"at": at.isoformat(), **entry}, sort_keys=True)
         await self._r.zadd(f"{self._p}:timeline:{job_id}", {body: _ms(at)})
 
+    async def add_timeline_entries(
+        self, job_id: str, at: datetime, entries: list[dict[str, Any]]
+    ) -> None:
+        """Several timeline entries at once (one Redis round trip, one AOF write)."""
+        members = {
+            json.dumps({"at": at.isoformat(), **e}, sort_keys=True): _ms(at) + i * 1e-3
+            for i, e in enumerate(entries)
+        }
+        await self._r.zadd(f"{self._p}:timeline:{job_id}", members)
+
     # ------------------------------------------------------------------ reads
 
     def _key(self, job_id: str) -> str:

@@ -143,9 +143,12 @@ class Scheduler:
             return
         for placement in hurt:
             incident = rules.open_incident(fault, placement)
-            outcome, incident_id = await self.incidents.open(
-                incident, placement.member_id, {"decision": decision.value}
-            )
+            extra: dict[str, Any] = {"decision": decision.value}
+            if decision != rules.Decision.RECORD:
+                # Known before anything is published, so stored with the incident at once.
+                extra["migration_id"] = rules.migration_id_for(incident.incident_id)
+                extra["mode"] = rules.migration_mode(decision).value
+            outcome, incident_id = await self.incidents.open(incident, placement.member_id, extra)
             if outcome == "folded":
                 self.ctx.log.info(
                     "fault folded into open incident",
@@ -162,6 +165,56 @@ class Scheduler:
             return
         incident = Incident.model_validate(record["incident"])
         decision = rules.Decision(record["decision"])
+        timeline: list[dict[str, Any]] = [
+            {
+                "type": "incident_opened",
+                "incident_id": incident_id,
+                "rank": incident.rank,
+                "fault_kind": incident.fault_kind.value,
+                "decision": decision.value,
+            }
+        ]
+        migrating = (
+            incident.resolution == Resolution.OPEN
+            and decision != rules.Decision.RECORD
+            and bool(incident.generation_before)
+        )
+        if migrating:
+            # The migration request goes first: it is on the path of the job's stall, the
+            # bookkeeping below is not.
+            mode = rules.migration_mode(decision)
+            migration_id = rules.migration_id_for(incident_id)
+            assert incident.rank is not None
+            assert incident.gpu is not None
+            assert incident.generation_before is not None
+            await self.ctx.bus.publish(
+                MigrationRequested(
+                    event_id=make_event_id("migration_requested", migration_id),
+                    source=SERVICE,
+                    occurred_at=fault.occurred_at,
+                    migration_id=migration_id,
+                    incident_id=incident_id,
+                    job_id=incident.job_id,
+                    tenant=incident.tenant,
+                    rank=incident.rank,
+                    member_id=record["member_id"],
+                    node=incident.node,
+                    gpu=incident.gpu,
+                    mode=mode,
+                    fault_kind=incident.fault_kind,
+                    generation_before=incident.generation_before,
+                ),
+                Subjects.MIGRATION_REQUESTED,
+            )
+            timeline.append(
+                {
+                    "type": "migration_requested",
+                    "migration_id": migration_id,
+                    "incident_id": incident_id,
+                    "rank": incident.rank,
+                    "mode": mode.value,
+                }
+            )
         await self.ctx.bus.publish(
             IncidentOpened(
                 event_id=make_event_id("incident_opened", incident_id),
@@ -171,60 +224,16 @@ class Scheduler:
             ),
             Subjects.INCIDENT_OPENED,
         )
-        await self.jobs.add_timeline(
-            incident.job_id,
-            fault.occurred_at,
-            {
-                "type": "incident_opened",
-                "incident_id": incident_id,
-                "rank": incident.rank,
-                "fault_kind": incident.fault_kind.value,
-                "decision": decision.value,
-            },
-        )
+        await self.jobs.add_timeline_entries(incident.job_id, fault.occurred_at, timeline)
+        if migrating:
+            return
         if incident.resolution != Resolution.OPEN:
             await self._publish_closed(incident_id)
-            return
-        if decision == rules.Decision.RECORD:
+        elif decision == rules.Decision.RECORD:
             await self._close(rules.close_recorded(incident, fault.occurred_at))
-            return
-        if not incident.generation_before:
+        else:
             # The job has not formed its first generation: there is nothing to migrate into.
             await self._close(rules.close_unplaced(incident, fault.occurred_at))
-            return
-        mode = rules.migration_mode(decision)
-        migration_id = rules.migration_id_for(incident_id)
-        await self.incidents.set_migration(incident_id, migration_id, mode)
-        assert incident.rank is not None
-        assert incident.gpu is not None
-        request = MigrationRequested(
-            event_id=make_event_id("migration_requested", migration_id),
-            source=SERVICE,
-            occurred_at=fault.occurred_at,
-            migration_id=migration_id,
-            incident_id=incident_id,
-            job_id=incident.job_id,
-            tenant=incident.tenant,
-            rank=incident.rank,
-            member_id=record["member_id"],
-            node=incident.node,
-            gpu=incident.gpu,
-            mode=mode,
-            fault_kind=incident.fault_kind,
-            generation_before=incident.generation_before,
-        )
-        await self.ctx.bus.publish(request, Subjects.MIGRATION_REQUESTED)
-        await self.jobs.add_timeline(
-            incident.job_id,
-            fault.occurred_at,
-            {
-                "type": "migration_requested",
-                "migration_id": migration_id,
-                "incident_id": incident_id,
-                "rank": incident.rank,
-                "mode": mode.value,
-            },
-        )
 
     async def _close(self, closed: Incident) -> None:
         await self.incidents.close(closed)
