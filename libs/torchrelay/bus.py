@@ -247,7 +247,13 @@ class Bus:
         servers = [u.strip() for u in url.split(",")]
         while time.monotonic() < deadline:
             try:
-                nc = await nats.connect(servers=servers, connect_timeout=min(2.0, timeout), **opts)
+                # With max_reconnect_attempts=-1 nats-py retries an unreachable server forever
+                # inside connect(); bound it by our own deadline.
+                remaining = max(0.5, deadline - time.monotonic())
+                nc = await asyncio.wait_for(
+                    nats.connect(servers=servers, connect_timeout=min(2.0, timeout), **opts),
+                    remaining,
+                )
                 return cls(nc, service, metrics)
             except (nats.errors.NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
                 last = exc
