@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -23,6 +24,14 @@ from torchrelay.bus import Bus, BusError
 from torchrelay.observability import configure_logging, configure_tracing
 from torchrelay.service import EXIT_CONFIG, EXIT_UNAVAILABLE, connect_redis
 from torchrelay.settings import SettingsError, load_settings
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: ours stops it cleanly and exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def serve(
@@ -53,7 +62,11 @@ async def serve(
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     task = asyncio.create_task(server.serve())
     watcher: asyncio.Task[None] | None = None
     try:
