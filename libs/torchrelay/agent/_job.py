@@ -129,7 +129,6 @@ class Job:
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=self.backend.timeout)
         self.store_addr = f"{host}:{self._store.port}"
-        self._store_clients: dict[str, Any] = {}
 
         self._net = NetThread(_nats_url(), f"agent-{self.member_id}",
                               os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None,
@@ -218,15 +217,15 @@ class Job:
                                   slice_s=5.0)
 
     def _store_for(self, gen: Generation) -> Any:
-        if gen.store_member == self.member_id:
-            return self._store
-        client = self._store_clients.get(gen.store_addr)
-        if client is None:
-            host, _, port = gen.store_addr.rpartition(":")
-            client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=self.backend.timeout)
-            self._store_clients[gen.store_addr] = client
-        return client
+        """A fresh client of the generation's store (runs on the rendezvous thread).
+
+        Never shared between generations: a TCPStore client serialises its calls, so an
+        abandoned rendezvous still blocked in ``wait`` on a shared client would hold up
+        the next generation's rendezvous until the store timeout.
+        """
+        host, _, port = gen.store_addr.rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=self.backend.timeout)
 
     def _enter_generation(self) -> None:
         """Join the newest generation naming us and bring every rank to the same state."""
@@ -605,6 +604,19 @@ def init(**kwargs: Any) -> Job:
         connect_timeout_s: how long to retry the first NATS connection (default 30).
     """
     job = Job(**kwargs)
+    if job.role == Role.SPARE:
+        _warm_up()
     job._named_generation()  # noqa: SLF001 - init is the Job's own entry point
     return job
 
+
+def _warm_up() -> None:
+    """Import what a training script's first optimizer pulls in, while a spare waits.
+
+    Building the first torch optimizer imports ``torch._dynamo`` (seconds of CPU). A hot
+    spare does it before it is needed, so the survivors do not wait for it after a failure.
+    """
+    try:
+        import torch._dynamo  # noqa: F401, PLC0415
+    except Exception as exc:
+        log.debug("torchrelay: warm-up import failed: %r", exc)
