@@ -434,7 +434,10 @@ def _add_routes(app: FastAPI) -> None:
         summary="register a spare slot",
     )
     async def register_spare(gw: Gw, _: Operator, body: SpareRegistration) -> SpareSlot:
-        return await gw.fetch(SpareSlot, "spare_pool", "register", body.to_slot())
+        result = await gw.call("spare_pool", "register", body.to_slot())
+        # The pool answers {slot, previous_state}; a bare slot is accepted too.
+        slot = result.get("slot", result) if isinstance(result, dict) else result
+        return parse(SpareSlot, slot, "spare_pool", "register")
 
     @app.get(
         f"{v1}/spares/depth",

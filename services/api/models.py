@@ -168,10 +168,8 @@ class SpareRegistration(BaseModel):
     zone: Name = "default"
 
     def to_slot(self) -> dict[str, Any]:
-        """The spare-pool ``register`` payload (a slot id derived from the place if absent)."""
-        data = self.model_dump(mode="json")
-        data["slot_id"] = self.slot_id or f"{self.cluster}.{self.node}.{self.gpu}"
-        return data
+        """The spare-pool ``register`` payload (the pool derives ``slot_id`` when absent)."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 # --------------------------------------------------------------------------- jobs

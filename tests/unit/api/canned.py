@@ -436,7 +436,8 @@ class CannedServices:
             "rack",
             "zone",
         )
-        return {**b, "state": "idle"}
+        slot_id = b.get("slot_id") or f"{b.get('cluster', 'local')}:{b['node']}:{b['gpu']}"
+        return {"slot": {**b, "slot_id": slot_id, "state": "idle"}, "previous_state": None}
 
     # ----------------------------------------------------------------- serving
 

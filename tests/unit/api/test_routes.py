@@ -11,65 +11,8 @@ from services.api.app import create_app
 from services.api.settings import ApiSettings
 from tests.unit.api.canned import BackgroundLoop, CannedServices
 from tests.unit.api.conftest import TestClient
+from tests.unit.api.expect import CONTRACT, GUARANTEE, INCIDENT, JOB, NODE, RANK, SPARE
 
-JOB = {"job_id", "tenant", "world_size", "spares", "generation", "committed_step", "state", "ranks"}
-RANK = {"rank", "node", "gpu", "pid"}
-NODE = {"node", "cluster", "health", "lemon_score", "state", "gpus"}
-INCIDENT = {
-    "incident_id",
-    "tenant",
-    "job_id",
-    "rank",
-    "node",
-    "gpu",
-    "fault_kind",
-    "severity",
-    "detected_at",
-    "resolved_at",
-    "resolution",
-    "stall_ms",
-    "lost_steps",
-    "bytes_moved",
-    "generation_before",
-    "generation_after",
-}
-CONTRACT = {
-    "contract_id",
-    "tenant",
-    "term_start",
-    "term_end",
-    "renewal_fee_minor",
-    "currency",
-    "threshold",
-    "credit_rate",
-    "count_proactive",
-}
-GUARANTEE = {
-    "contract_id",
-    "term_start",
-    "term_end",
-    "eligible_failures",
-    "resolved_by_migration",
-    "prevented_failures",
-    "ratio",
-    "threshold",
-    "met",
-    "credit_minor",
-    "currency",
-    "final",
-}
-SPARE = {
-    "slot_id",
-    "cluster",
-    "node",
-    "gpu",
-    "gpu_model",
-    "memory_mb",
-    "nvlink_domain",
-    "rack",
-    "zone",
-    "state",
-}
 NEW_CONTRACT = {
     "tenant": "acme",
     "term_start": "2026-01-01T00:00:00Z",

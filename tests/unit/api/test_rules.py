@@ -142,9 +142,11 @@ def test_contract_request_refuses_a_backward_term() -> None:
         )
 
 
-def test_spare_registration_derives_a_slot_id() -> None:
+def test_spare_registration_leaves_the_slot_id_to_the_pool() -> None:
     slot = SpareRegistration(node="n1", gpu=3, cluster="east").to_slot()
-    assert slot["slot_id"] == "east.n1.3"
+    assert "slot_id" not in slot
+    assert slot["nvlink_domain"] == "default"
+    assert SpareRegistration(slot_id="s-1", node="n1", gpu=3).to_slot()["slot_id"] == "s-1"
 
 
 def test_incident_buckets_hourly_then_daily() -> None:

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections import Counter
 from collections.abc import Iterator
-from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -21,61 +18,8 @@ from services.api.app import create_app
 from services.api.settings import ApiSettings
 from tests.unit.api.canned import OPERATOR_TOKEN, BackgroundLoop, CannedServices, ServerThread
 from tests.unit.api.conftest import TestClient
+from tests.unit.api.expect import elements_by_testid, expected_figures, shown_figures
 from torchrelay.runtime import ServerProcess
-
-
-class _TestIds(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: dict[str, dict[str, str]] = {}
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        values = {k: v or "" for k, v in attrs}
-        if "data-testid" in values:
-            self.found[values["data-testid"]] = values
-
-
-def elements_by_testid(html: str) -> dict[str, dict[str, str]]:
-    """Every element with a ``data-testid``, by id, with its attributes."""
-    parser = _TestIds()
-    parser.feed(html)
-    return parser.found
-
-
-def expected_figures(get: Any) -> dict[str, str]:
-    """The figures the dashboard must show, computed from the API's own answers."""
-    nodes = get("/v1/nodes?limit=500")["items"]
-    depth = get("/v1/spares/depth?limit=500")["items"]
-    incidents = get("/v1/incidents?limit=500")["items"]
-    contracts = get("/v1/contracts?limit=500")["items"]
-    out = {
-        "nodes-total": str(len(nodes)),
-        "spares-total": str(sum(d["available"] for d in depth)),
-        "incidents-total": str(len(incidents)),
-    }
-    for health, count in Counter(n["health"] for n in nodes).items():
-        out[f"health-{health}"] = str(count)
-    for resolution, count in Counter(i["resolution"] for i in incidents).items():
-        out[f"incidents-{resolution}"] = str(count)
-    for d in depth:
-        out[f"depth-{d['cluster']}-{d['nvlink_domain']}"] = str(d["available"])
-    for c in contracts:
-        g = get(f"/v1/contracts/{c['contract_id']}/guarantee")
-        out[f"guarantee-{c['contract_id']}"] = f"{g['ratio']:.4f}"
-    return out
-
-
-def shown_figures(ids: dict[str, dict[str, str]], keys: set[str]) -> dict[str, str]:
-    shown = {}
-    for key in keys:
-        attrs = ids.get(key, {})
-        if key.startswith("guarantee-"):
-            shown[key] = attrs.get("data-ratio", "?")
-        elif key.startswith("depth-"):
-            shown[key] = attrs.get("data-available", "?")
-        else:
-            shown[key] = attrs.get("data-count", "?")
-    return shown
 
 
 def test_dashboard_needs_an_operator(client: TestClient, acme: dict[str, str]) -> None:
