@@ -70,28 +70,46 @@ def form_first(job_id: str, world_size: int, joined: Iterable[AgentReport]) -> G
     """
     workers: dict[str, AgentReport] = {}
     for report in joined:
-        if (report.job_id == job_id and report.kind == ReportKind.JOINED
-                and report.role == Role.WORKER):
+        if (
+            report.job_id == job_id
+            and report.kind == ReportKind.JOINED
+            and report.role == Role.WORKER
+        ):
             workers[report.member_id] = report
     if len(workers) < world_size:
         return None
     chosen = sorted(workers.values(), key=lambda r: member_order(r.member_id))[:world_size]
     store = chosen[0]
     if not store.store_addr:
-        raise GenerationError(f"JOINED report of {store.member_id} has no store_addr; "
-                              "the agent must announce its rendezvous store")
+        raise GenerationError(
+            f"JOINED report of {store.member_id} has no store_addr; "
+            "the agent must announce its rendezvous store"
+        )
     return Generation(
-        job_id=job_id, generation=1, world_size=world_size,
-        ranks=[RankAssignment(rank=i, member_id=r.member_id, node=r.node, gpu=r.gpu)
-               for i, r in enumerate(chosen)],
-        store_member=store.member_id, store_addr=store.store_addr,
-        mode=MigrationMode.IMMEDIATE, reason="formed",
+        job_id=job_id,
+        generation=1,
+        world_size=world_size,
+        ranks=[
+            RankAssignment(rank=i, member_id=r.member_id, node=r.node, gpu=r.gpu)
+            for i, r in enumerate(chosen)
+        ],
+        store_member=store.member_id,
+        store_addr=store.store_addr,
+        mode=MigrationMode.IMMEDIATE,
+        reason="formed",
     )
 
 
-def replace_rank(current: Generation, rank: int, spare: Candidate, *,
-                 mode: MigrationMode, store_addrs: Mapping[str, str],
-                 migration_id: str | None = None, reason: str = "migration") -> Generation:
+def replace_rank(
+    current: Generation,
+    rank: int,
+    spare: Candidate,
+    *,
+    mode: MigrationMode,
+    store_addrs: Mapping[str, str],
+    migration_id: str | None = None,
+    reason: str = "migration",
+) -> Generation:
     """Generation ``current + 1`` with ``spare`` in ``rank``'s place (same rank number).
 
     The store moves to the lowest rank not being replaced (its address is looked up in
@@ -104,28 +122,43 @@ def replace_rank(current: Generation, rank: int, spare: Candidate, *,
     """
     old = next((a for a in current.ranks if a.rank == rank), None)
     if old is None:
-        raise GenerationError(f"generation {current.generation} of {current.job_id} has no "
-                              f"rank {rank}")
+        raise GenerationError(
+            f"generation {current.generation} of {current.job_id} has no rank {rank}"
+        )
     if current.member_rank(spare.member_id) is not None:
-        raise GenerationError(f"{spare.member_id} already holds rank "
-                              f"{current.member_rank(spare.member_id)}")
-    ranks = [RankAssignment(rank=rank, member_id=spare.member_id, node=spare.node,
-                            gpu=spare.gpu) if a.rank == rank else a
-             for a in sorted(current.ranks, key=lambda a: a.rank)]
+        raise GenerationError(
+            f"{spare.member_id} already holds rank {current.member_rank(spare.member_id)}"
+        )
+    ranks = [
+        RankAssignment(rank=rank, member_id=spare.member_id, node=spare.node, gpu=spare.gpu)
+        if a.rank == rank
+        else a
+        for a in sorted(current.ranks, key=lambda a: a.rank)
+    ]
     survivors = [a for a in ranks if a.rank != rank]
-    if survivors:
-        host = survivors[0].member_id
-    else:  # a world of one: the newcomer hosts its own store
-        host = spare.member_id
-    addr = (current.store_addr if host == current.store_member
-            else store_addrs.get(host) or (spare.store_addr if host == spare.member_id else None))
+    # A world of one has no survivor: the newcomer hosts its own store.
+    host = survivors[0].member_id if survivors else spare.member_id
+    addr = (
+        current.store_addr
+        if host == current.store_member
+        else store_addrs.get(host) or (spare.store_addr if host == spare.member_id else None)
+    )
     if not addr:
-        raise GenerationError(f"no store address known for {host}; pass the addresses from "
-                              "the JOINED reports in store_addrs")
+        raise GenerationError(
+            f"no store address known for {host}; pass the addresses from "
+            "the JOINED reports in store_addrs"
+        )
     return Generation(
-        job_id=current.job_id, generation=current.generation + 1,
-        world_size=current.world_size, ranks=ranks, store_member=host, store_addr=addr,
-        mode=mode, departing=[old.member_id], reason=reason, migration_id=migration_id,
+        job_id=current.job_id,
+        generation=current.generation + 1,
+        world_size=current.world_size,
+        ranks=ranks,
+        store_member=host,
+        store_addr=addr,
+        mode=mode,
+        departing=[old.member_id],
+        reason=reason,
+        migration_id=migration_id,
     )
 
 
@@ -133,9 +166,13 @@ def changed_event(generation: Generation, source: str) -> GenerationChanged:
     """The ``GenerationChanged`` event announcing ``generation`` (deterministic id)."""
     return GenerationChanged(
         event_id=make_event_id("generation", generation.job_id, generation.generation),
-        source=source, job_id=generation.job_id, generation=generation.generation,
-        previous=generation.generation - 1, ranks=list(generation.ranks),
-        reason=generation.reason, migration_id=generation.migration_id,
+        source=source,
+        job_id=generation.job_id,
+        generation=generation.generation,
+        previous=generation.generation - 1,
+        ranks=list(generation.ranks),
+        reason=generation.reason,
+        migration_id=generation.migration_id,
     )
 
 
@@ -164,12 +201,14 @@ class GenerationWriter:
             bus.StaleRevision: the key changed since ``expected_revision`` was read.
         """
         revision = await self._bus.put_generation(generation, expected_revision)
-        await self._bus.publish(changed_event(generation, self._source),
-                                Subjects.GENERATION_CHANGED)
+        await self._bus.publish(
+            changed_event(generation, self._source), Subjects.GENERATION_CHANGED
+        )
         return revision
 
-    async def form(self, job_id: str, world_size: int,
-                   joined: Iterable[AgentReport]) -> Generation | None:
+    async def form(
+        self, job_id: str, world_size: int, joined: Iterable[AgentReport]
+    ) -> Generation | None:
         """Write generation 1 once ``world_size`` workers have joined; idempotent.
 
         Returns the job's generation 1 (the one already stored if there is one), or None
@@ -184,10 +223,18 @@ class GenerationWriter:
         await self.write(first, None)
         return first
 
-    async def replace(self, job_id: str, rank: int, spare: Candidate, *,
-                      mode: MigrationMode, store_addrs: Mapping[str, str],
-                      expected_member: str | None = None, migration_id: str | None = None,
-                      reason: str = "migration") -> Generation:
+    async def replace(
+        self,
+        job_id: str,
+        rank: int,
+        spare: Candidate,
+        *,
+        mode: MigrationMode,
+        store_addrs: Mapping[str, str],
+        expected_member: str | None = None,
+        migration_id: str | None = None,
+        reason: str = "migration",
+    ) -> Generation:
         """Read the job's generation and write the next one with ``spare`` in ``rank``.
 
         With ``expected_member``, the write happens only while that member still holds the
@@ -205,13 +252,25 @@ class GenerationWriter:
         holder = next((a.member_id for a in current.ranks if a.rank == rank), None)
         if expected_member is not None and holder != expected_member:
             return current
-        nxt = replace_rank(current, rank, spare, mode=mode, store_addrs=store_addrs,
-                           migration_id=migration_id, reason=reason)
+        nxt = replace_rank(
+            current,
+            rank,
+            spare,
+            mode=mode,
+            store_addrs=store_addrs,
+            migration_id=migration_id,
+            reason=reason,
+        )
         await self.write(nxt, revision)
         return nxt
 
 
 __all__ = [
-    "Candidate", "GenerationError", "GenerationWriter", "changed_event", "form_first",
-    "member_order", "replace_rank",
+    "Candidate",
+    "GenerationError",
+    "GenerationWriter",
+    "changed_event",
+    "form_first",
+    "member_order",
+    "replace_rank",
 ]

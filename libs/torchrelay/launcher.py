@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from nats.aio.msg import Msg
 from pydantic import ValidationError
@@ -50,6 +50,7 @@ from torchrelay.contract import (
 )
 
 EXIT_USAGE = 2
+Outcome = Literal["succeeded", "failed", "cancelled"]
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]{1,100}$")
 GIVE_UP_MARGIN_S = 30.0  # protocol §11: a lost rank not replaced in wait_timeout + 30 s
 STOP_GRACE_S = 10.0
@@ -60,6 +61,7 @@ class LauncherError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- pure rules
+
 
 def resolve_nats_url(environ: dict[str, str] | None = None) -> str:
     """``NATS_URL``, else ``nats_url`` of ``<TORCHRELAY_HOME or ./.torchrelay>/stack.json``.
@@ -75,8 +77,9 @@ def resolve_nats_url(environ: dict[str, str] | None = None) -> str:
     try:
         return str(json.loads(stack.read_text())["nats_url"])
     except (OSError, ValueError, KeyError) as exc:
-        raise LauncherError("no torchrelay stack: run `torchrelay up --detach` or set "
-                            "NATS_URL") from exc
+        raise LauncherError(
+            "no torchrelay stack: run `torchrelay up --detach` or set NATS_URL"
+        ) from exc
 
 
 def slot_of(index: int, nodes: int, cluster: str) -> tuple[str, int]:
@@ -94,8 +97,11 @@ def classify_exit(code: int, record: dict[str, Any] | None) -> str:
         return "finished"
     if code == EXIT_FENCED:
         return "fenced"
-    if (code == EXIT_APPLICATION_ERROR and record is not None
-            and record.get("kind") == "application_error"):
+    if (
+        code == EXIT_APPLICATION_ERROR
+        and record is not None
+        and record.get("kind") == "application_error"
+    ):
         return "application_error"
     return "lost"
 
@@ -111,6 +117,7 @@ def describe_exit(code: int) -> str:
 
 
 # --------------------------------------------------------------------------- processes
+
 
 @dataclass
 class Child:
@@ -181,13 +188,19 @@ class Launcher:
     def _env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.opts.extra_env)
-        env.update({
-            "TORCHRELAY_JOB_ID": self.opts.job_id, "TORCHRELAY_ROLE": child.role.value,
-            "TORCHRELAY_TENANT": self.opts.tenant, "TORCHRELAY_NODE": child.node,
-            "TORCHRELAY_GPU": str(child.gpu), "TORCHRELAY_MEMBER_ID": child.member_id,
-            "TORCHRELAY_CLUSTER": self.opts.cluster,
-            "TORCHRELAY_RUN_DIR": str(self.opts.run_dir), "NATS_URL": self.opts.nats_url,
-        })
+        env.update(
+            {
+                "TORCHRELAY_JOB_ID": self.opts.job_id,
+                "TORCHRELAY_ROLE": child.role.value,
+                "TORCHRELAY_TENANT": self.opts.tenant,
+                "TORCHRELAY_NODE": child.node,
+                "TORCHRELAY_GPU": str(child.gpu),
+                "TORCHRELAY_MEMBER_ID": child.member_id,
+                "TORCHRELAY_CLUSTER": self.opts.cluster,
+                "TORCHRELAY_RUN_DIR": str(self.opts.run_dir),
+                "NATS_URL": self.opts.nats_url,
+            }
+        )
         if self.opts.credentials:
             env["TORCHRELAY_NATS_CREDENTIALS"] = self.opts.credentials
         else:
@@ -197,7 +210,8 @@ class Launcher:
     async def _spawn(self, child: Child) -> None:
         self.children[child.member_id] = child
         child.proc = await asyncio.create_subprocess_exec(
-            sys.executable, self.opts.script, *self.opts.script_args, env=self._env(child))
+            sys.executable, self.opts.script, *self.opts.script_args, env=self._env(child)
+        )
         self._tasks.append(asyncio.create_task(self._reap(child)))
 
     def _new_spare(self, node: str, gpu: int) -> Child:
@@ -233,8 +247,11 @@ class Launcher:
         if child.outcome == "lost":
             child.lost_at = time.monotonic()
         if not child.stopping:
-            print(f"torchrelay run: {child.member_id} {describe_exit(code)} "
-                  f"({child.outcome})", file=sys.stderr, flush=True)
+            print(
+                f"torchrelay run: {child.member_id} {describe_exit(code)} ({child.outcome})",
+                file=sys.stderr,
+                flush=True,
+            )
             await self._report_exit(child, record)
         self._changed.set()
 
@@ -246,18 +263,27 @@ class Launcher:
         if child.outcome == "application_error" and record is not None:
             detail = str(record.get("error", ""))[-7000:]
         report = AgentReport(
-            event_id=make_event_id("worker_exit", child.member_id), source=self.launcher_id,
-            job_id=self.opts.job_id, member_id=child.member_id, kind=ReportKind.WORKER_EXIT,
-            role=child.role, rank=rank,
+            event_id=make_event_id("worker_exit", child.member_id),
+            source=self.launcher_id,
+            job_id=self.opts.job_id,
+            member_id=child.member_id,
+            kind=ReportKind.WORKER_EXIT,
+            role=child.role,
+            rank=rank,
             generation=current.generation if current is not None else 0,
-            exit_code=code, error=f"{child.outcome}: {detail}", node=child.node,
-            gpu=child.gpu, pid=child.pid, cluster=self.opts.cluster)
+            exit_code=code,
+            error=f"{child.outcome}: {detail}",
+            node=child.node,
+            gpu=child.gpu,
+            pid=child.pid,
+            cluster=self.opts.cluster,
+        )
         try:
-            await self.bus.publish(report, Subjects.agent_report(self.opts.job_id),
-                                   retry_for=10.0)
+            await self.bus.publish(report, Subjects.agent_report(self.opts.job_id), retry_for=10.0)
         except BusError as exc:
-            print(f"torchrelay run: could not report {child.member_id}'s exit: {exc}",
-                  file=sys.stderr)
+            print(
+                f"torchrelay run: could not report {child.member_id}'s exit: {exc}", file=sys.stderr
+            )
 
     async def _generation(self) -> Generation | None:
         try:
@@ -271,33 +297,55 @@ class Launcher:
     async def _register(self) -> None:
         o = self.opts
         event = JobRegistered(
-            event_id=make_event_id("job", o.job_id), source=self.launcher_id, job_id=o.job_id,
-            tenant=o.tenant, cluster=o.cluster, world_size=o.nproc, spares=o.spares,
-            policy=o.policy, wait_timeout_s=o.wait_timeout_s, allow_shrink=o.allow_shrink,
+            event_id=make_event_id("job", o.job_id),
+            source=self.launcher_id,
+            job_id=o.job_id,
+            tenant=o.tenant,
+            cluster=o.cluster,
+            world_size=o.nproc,
+            spares=o.spares,
+            policy=o.policy,
+            wait_timeout_s=o.wait_timeout_s,
+            allow_shrink=o.allow_shrink,
             launcher_id=self.launcher_id,
-            members=[Member(member_id=c.member_id, role=c.role, node=c.node, gpu=c.gpu,
-                            pid=c.pid) for c in self.children.values()])
+            members=[
+                Member(member_id=c.member_id, role=c.role, node=c.node, gpu=c.gpu, pid=c.pid)
+                for c in self.children.values()
+            ],
+        )
         await self.bus.publish(event, Subjects.JOB_REGISTERED)
         for child in self.children.values():
             if child.role == Role.SPARE:
                 await self._register_spare(child)
 
     async def _register_spare(self, child: Child) -> None:
-        slot = SpareSlot(slot_id=f"{self.opts.cluster}:{child.node}:{child.gpu}",
-                         cluster=self.opts.cluster, node=child.node, gpu=child.gpu,
-                         state=SpareState.HOT, job_id=self.opts.job_id,
-                         member_id=child.member_id, gpu_model="cpu-sim")
+        slot = SpareSlot(
+            slot_id=f"{self.opts.cluster}:{child.node}:{child.gpu}",
+            cluster=self.opts.cluster,
+            node=child.node,
+            gpu=child.gpu,
+            state=SpareState.HOT,
+            job_id=self.opts.job_id,
+            member_id=child.member_id,
+            gpu_model="cpu-sim",
+        )
         try:
             await self.bus.request(Subjects.rpc("spare_pool", "register"), slot, timeout=2.0)
         except NoResponder:
-            print(f"torchrelay run: warning: no spare pool answered; {child.member_id} is not "
-                  "registered as a hot spare (is the control plane running?)", file=sys.stderr)
+            print(
+                f"torchrelay run: warning: no spare pool answered; {child.member_id} is not "
+                "registered as a hot spare (is the control plane running?)",
+                file=sys.stderr,
+            )
         except RpcFailed as exc:
-            print(f"torchrelay run: warning: spare pool refused {child.member_id}: {exc}",
-                  file=sys.stderr)
+            print(
+                f"torchrelay run: warning: spare pool refused {child.member_id}: {exc}",
+                file=sys.stderr,
+            )
 
-    async def _serve(self, subject: str,
-                     handler: Callable[[dict[str, Any]], Awaitable[Any]]) -> None:
+    async def _serve(
+        self, subject: str, handler: Callable[[dict[str, Any]], Awaitable[Any]]
+    ) -> None:
         """Answer ``subject`` with the same reply envelope as the services' RPCs."""
 
         async def _on(msg: Msg) -> None:
@@ -308,13 +356,13 @@ class Launcher:
                 reply = RpcReply(ok=True, result=await handler(body))
             except ValidationError as exc:
                 text, fld = validation_message(exc)
-                reply = RpcReply(ok=False, error=RpcError(code="invalid", message=text,
-                                                          field=fld))
+                reply = RpcReply(ok=False, error=RpcError(code="invalid", message=text, field=fld))
             except (LauncherError, ValueError) as exc:
                 reply = RpcReply(ok=False, error=RpcError(code="invalid", message=str(exc)))
             except KeyError as exc:
-                reply = RpcReply(ok=False, error=RpcError(code="not_found",
-                                                          message=str(exc.args[0])))
+                reply = RpcReply(
+                    ok=False, error=RpcError(code="not_found", message=str(exc.args[0]))
+                )
             if msg.reply:
                 with contextlib.suppress(Exception):
                     await msg.respond(reply.model_dump_json().encode())
@@ -332,18 +380,16 @@ class Launcher:
                 child.proc.send_signal(signal.SIGCONT)  # a stopped process must die too
                 child.proc.kill()
                 killed = True
-        return {"member_id": child.member_id, "killed": killed,
-                "exit_code": child.exit_code}
+        return {"member_id": child.member_id, "killed": killed, "exit_code": child.exit_code}
 
     async def _on_spawn_spare(self, body: dict[str, Any]) -> dict[str, Any]:
         node, gpu = body.get("node"), body.get("gpu")
         if not isinstance(node, str) or not isinstance(gpu, int):
-            raise LauncherError("spawn_spare needs {\"node\": str, \"gpu\": int}")
+            raise LauncherError('spawn_spare needs {"node": str, "gpu": int}')
         child = self._new_spare(node, gpu)
         await self._spawn(child)
         self._changed.set()
-        return {"member_id": child.member_id, "pid": child.pid,
-                "slot_id": body.get("slot_id")}
+        return {"member_id": child.member_id, "pid": child.pid, "slot_id": body.get("slot_id")}
 
     async def _on_pid(self, body: dict[str, Any]) -> dict[str, Any]:
         member_id = body.get("member_id")
@@ -351,7 +397,7 @@ class Launcher:
         if member_id is None:
             rank = body.get("rank")
             if not isinstance(rank, int):
-                raise LauncherError("pid needs {\"rank\": int} or {\"member_id\": str}")
+                raise LauncherError('pid needs {"rank": int} or {"member_id": str}')
             if current is None:
                 raise KeyError(f"job {self.opts.job_id} has no generation yet")
             member_id = next((a.member_id for a in current.ranks if a.rank == rank), None)
@@ -360,16 +406,23 @@ class Launcher:
         child = self.children.get(str(member_id))
         if child is None:
             raise KeyError(f"{member_id} is not a member of job {self.opts.job_id}")
-        return {"member_id": child.member_id, "pid": child.pid, "alive": child.alive,
-                "rank": current.member_rank(child.member_id) if current else None,
-                "generation": current.generation if current else 0}
+        return {
+            "member_id": child.member_id,
+            "pid": child.pid,
+            "alive": child.alive,
+            "rank": current.member_rank(child.member_id) if current else None,
+            "generation": current.generation if current else 0,
+        }
 
     # ----------------------------------------------------------------- supervision
 
     def _on_signal(self, signum: int) -> None:
         if self._interrupted is None:
-            print(f"torchrelay run: {signal.Signals(signum).name}: stopping job "
-                  f"{self.opts.job_id}", file=sys.stderr, flush=True)
+            print(
+                f"torchrelay run: {signal.Signals(signum).name}: stopping job {self.opts.job_id}",
+                file=sys.stderr,
+                flush=True,
+            )
         self._interrupted = signum
         for child in self.children.values():
             if child.alive and child.proc is not None:
@@ -397,35 +450,41 @@ class Launcher:
                     child.proc.kill()
                 await child.proc.wait()
 
-    def _verdict(self, current: Generation | None) -> tuple[str, str] | None:
+    def _verdict(self, current: Generation | None) -> tuple[Outcome, str] | None:
         """``(outcome, summary)`` once the job is over, else None."""
         kids = self.children.values()
         app = [c for c in kids if c.outcome == "application_error"]
         if app:
-            return "failed", (f"{app[0].member_id} raised in user code (application error); "
-                              f"see {self.opts.run_dir / (app[0].member_id + '.exit.json')}")
+            return "failed", (
+                f"{app[0].member_id} raised in user code (application error); "
+                f"see {self.opts.run_dir / (app[0].member_id + '.exit.json')}"
+            )
         if current is not None:
             holders = [self.children.get(a.member_id) for a in current.ranks]
             if all(h is not None and h.outcome == "finished" for h in holders):
-                return "succeeded", (f"all {current.world_size} ranks finished in generation "
-                                     f"{current.generation}")
+                return "succeeded", (
+                    f"all {current.world_size} ranks finished in generation {current.generation}"
+                )
         bound = self.opts.wait_timeout_s + GIVE_UP_MARGIN_S
         now = time.monotonic()
         for c in kids:
-            if c.outcome == "lost" and c.lost_at is not None and now - c.lost_at > bound and (
-                    current is None or current.member_rank(c.member_id) is not None):
-                return "failed", (f"{c.member_id} was lost and its rank was not replaced "
-                                  f"within {bound:.0f}s")
+            if (
+                c.outcome == "lost"
+                and c.lost_at is not None
+                and now - c.lost_at > bound
+                and (current is None or current.member_rank(c.member_id) is not None)
+            ):
+                return "failed", (
+                    f"{c.member_id} was lost and its rank was not replaced within {bound:.0f}s"
+                )
         if all(not c.alive for c in kids):
             return "failed", "every process of the job exited before it finished"
         return None
 
-    async def _supervise(self) -> tuple[str, str]:
+    async def _supervise(self) -> tuple[Outcome, str]:
         while True:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), 1.0)
-            except TimeoutError:
-                pass
             self._changed.clear()
             if self._interrupted is not None:
                 return "cancelled", f"stopped by {signal.Signals(self._interrupted).name}"
@@ -438,8 +497,9 @@ class Launcher:
         o = self.opts
         o.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self._bus = await Bus.connect(o.nats_url, f"launcher-{o.job_id}",
-                                          credentials=o.credentials, timeout=10.0)
+            self._bus = await Bus.connect(
+                o.nats_url, f"launcher-{o.job_id}", credentials=o.credentials, timeout=10.0
+            )
         except BusError as exc:
             print(f"torchrelay run: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -448,20 +508,26 @@ class Launcher:
             loop.add_signal_handler(signum, self._on_signal, signum)
         try:
             await self._ensure_streams()
-            for verb, handler in (("spawn_spare", self._on_spawn_spare),
-                                  ("pid", self._on_pid)):
+            for verb, handler in (("spawn_spare", self._on_spawn_spare), ("pid", self._on_pid)):
                 await self._serve(Subjects.launcher(o.job_id, verb), handler)
             await self._serve(Subjects.fence(o.job_id), self._on_fence)
             await self._spawn_all()
-            (o.run_dir / "launcher.json").write_text(json.dumps(
-                {"job_id": o.job_id, "launcher_pid": os.getpid(),
-                 "members": {c.member_id: c.pid for c in self.children.values()}}))
+            (o.run_dir / "launcher.json").write_text(
+                json.dumps(
+                    {
+                        "job_id": o.job_id,
+                        "launcher_pid": os.getpid(),
+                        "members": {c.member_id: c.pid for c in self.children.values()},
+                    }
+                )
+            )
             await self._register()
             outcome, summary = await self._supervise()
             if outcome != "succeeded" or any(c.alive for c in self.children.values()):
-                await self._stop_all(grace_s=0.0 if outcome == "failed" else STOP_GRACE_S,
-                                     sig=signal.SIGKILL if outcome == "failed"
-                                     else signal.SIGTERM)
+                await self._stop_all(
+                    grace_s=0.0 if outcome == "failed" else STOP_GRACE_S,
+                    sig=signal.SIGKILL if outcome == "failed" else signal.SIGTERM,
+                )
             return await self._finish(outcome, summary)
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -479,22 +545,31 @@ class Launcher:
             await self.bus.provision_streams()
         await self.bus.generations()
 
-    async def _finish(self, outcome: str, summary: str) -> int:
+    async def _finish(self, outcome: Outcome, summary: str) -> int:
         current = await self._generation()
         code = {"succeeded": 0, "cancelled": 128 + (self._interrupted or 2)}.get(outcome, 1)
         event = JobFinished(
-            event_id=make_event_id("job_finished", self.opts.job_id), source=self.launcher_id,
-            job_id=self.opts.job_id, tenant=self.opts.tenant,
-            outcome=outcome,  # type: ignore[arg-type]
-            exit_code=code, summary=summary)
+            event_id=make_event_id("job_finished", self.opts.job_id),
+            source=self.launcher_id,
+            job_id=self.opts.job_id,
+            tenant=self.opts.tenant,
+            outcome=outcome,
+            exit_code=code,
+            summary=summary,
+        )
         with contextlib.suppress(BusError):
             await self.bus.publish(event, Subjects.JOB_FINISHED, retry_for=5.0)
-        lines = [f"torchrelay run: job {self.opts.job_id} {outcome}: {summary}",
-                 f"  generation: {current.generation if current else 0}"]
-        lines += [f"  {c.member_id:>24} {c.role.value:<6} {c.node}/gpu{c.gpu} "
-                  f"{c.outcome or 'running'} ({describe_exit(c.exit_code)})"
-                  if c.exit_code is not None else f"  {c.member_id:>24} {c.role.value:<6} "
-                  f"{c.node}/gpu{c.gpu} running" for c in self.children.values()]
+        lines = [
+            f"torchrelay run: job {self.opts.job_id} {outcome}: {summary}",
+            f"  generation: {current.generation if current else 0}",
+        ]
+        lines += [
+            f"  {c.member_id:>24} {c.role.value:<6} {c.node}/gpu{c.gpu} "
+            f"{c.outcome or 'running'} ({describe_exit(c.exit_code)})"
+            if c.exit_code is not None
+            else f"  {c.member_id:>24} {c.role.value:<6} {c.node}/gpu{c.gpu} running"
+            for c in self.children.values()
+        ]
         print("\n".join(lines), file=sys.stderr, flush=True)
         return code
 
@@ -523,13 +598,21 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     return Options(
-        nproc=args.nproc, spares=args.spares, job_id=job_id, tenant=args.tenant,
-        nodes=args.nodes, policy=JobPolicy(args.policy),
+        nproc=args.nproc,
+        spares=args.spares,
+        job_id=job_id,
+        tenant=args.tenant,
+        nodes=args.nodes,
+        policy=JobPolicy(args.policy),
         wait_timeout_s=float(getattr(args, "wait_timeout", 60.0)),
-        allow_shrink=bool(getattr(args, "allow_shrink", False)), script=str(script),
-        script_args=script_args, nats_url=resolve_nats_url(), cluster=cluster,
+        allow_shrink=bool(getattr(args, "allow_shrink", False)),
+        script=str(script),
+        script_args=script_args,
+        nats_url=resolve_nats_url(),
+        cluster=cluster,
         run_dir=(home / "runs" / job_id).resolve(),
-        credentials=os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None)
+        credentials=os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None,
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -539,6 +622,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except LauncherError as exc:
         print(f"torchrelay run: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"torchrelay run: job {opts.job_id}: {opts.nproc} workers, {opts.spares} spares "
-          f"on {opts.nodes} node(s); run dir {opts.run_dir}", file=sys.stderr, flush=True)
+    print(
+        f"torchrelay run: job {opts.job_id}: {opts.nproc} workers, {opts.spares} spares "
+        f"on {opts.nodes} node(s); run dir {opts.run_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     return asyncio.run(Launcher(opts).run())

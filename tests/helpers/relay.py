@@ -10,6 +10,7 @@ command or, with ``auto_replace``, when the launcher reports a lost worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -62,10 +63,12 @@ class FakeExecutor:
         self._lock = asyncio.Lock()
 
     async def start(self) -> FakeExecutor:
-        self._subs.append(await self.bus.nc.subscribe(Subjects.agent_report(self.job_id),
-                                                      cb=self._on_report))
-        self._subs.append(await self.bus.nc.subscribe(Subjects.heartbeat(self.job_id),
-                                                      cb=self._on_beat))
+        self._subs.append(
+            await self.bus.nc.subscribe(Subjects.agent_report(self.job_id), cb=self._on_report)
+        )
+        self._subs.append(
+            await self.bus.nc.subscribe(Subjects.heartbeat(self.job_id), cb=self._on_beat)
+        )
         await self.bus.nc.flush()
         return self
 
@@ -97,8 +100,12 @@ class FakeExecutor:
                 self.used.update(a.member_id for a in first.ranks)
         elif report.kind == ReportKind.WORKER_EXIT:
             self.gone.add(report.member_id)
-            if (self.auto_replace and report.error and report.error.startswith("lost")
-                    and self.generations):
+            if (
+                self.auto_replace
+                and report.error
+                and report.error.startswith("lost")
+                and self.generations
+            ):
                 rank = self.generations[-1].member_rank(report.member_id)
                 if rank is not None:
                     await self._replace(rank, MigrationMode.IMMEDIATE, f"lost {report.member_id}")
@@ -107,15 +114,23 @@ class FakeExecutor:
 
     def spares(self) -> list[Candidate]:
         """Hot spares that joined, are alive and hold no rank yet, in member order."""
-        joined = [r for r in self.reports
-                  if r.kind == ReportKind.JOINED and r.role == Role.SPARE
-                  and r.member_id not in self.used and r.member_id not in self.gone]
+        joined = [
+            r
+            for r in self.reports
+            if r.kind == ReportKind.JOINED
+            and r.role == Role.SPARE
+            and r.member_id not in self.used
+            and r.member_id not in self.gone
+        ]
         joined.sort(key=lambda r: member_order(r.member_id))
         return [Candidate.from_report(r) for r in joined]
 
     def store_addrs(self) -> dict[str, str]:
-        return {r.member_id: r.store_addr for r in self.reports
-                if r.kind == ReportKind.JOINED and r.store_addr}
+        return {
+            r.member_id: r.store_addr
+            for r in self.reports
+            if r.kind == ReportKind.JOINED and r.store_addr
+        }
 
     async def _replace(self, rank: int, mode: MigrationMode, reason: str) -> Generation:
         spares = self.spares()
@@ -125,14 +140,20 @@ class FakeExecutor:
         self.used.add(spare.member_id)
         current = self.generations[-1]
         nxt = await self.writer.replace(
-            self.job_id, rank, spare, mode=mode, store_addrs=self.store_addrs(),
+            self.job_id,
+            rank,
+            spare,
+            mode=mode,
+            store_addrs=self.store_addrs(),
             migration_id=make_event_id("migration", self.job_id, current.generation + 1),
-            reason=reason)
+            reason=reason,
+        )
         self.generations.append(nxt)
         return nxt
 
-    async def replace(self, rank: int, mode: MigrationMode = MigrationMode.IMMEDIATE,
-                      reason: str = "test") -> Generation:
+    async def replace(
+        self, rank: int, mode: MigrationMode = MigrationMode.IMMEDIATE, reason: str = "test"
+    ) -> Generation:
         """Write the next generation with the first free hot spare in ``rank``."""
         async with self._lock:
             for _ in range(3):
@@ -144,8 +165,7 @@ class FakeExecutor:
 
     # ---------------------------------------------------------------- waiting
 
-    async def wait_for(self, what: str, predicate: Callable[[], Any],
-                       timeout: float = 60.0) -> Any:
+    async def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Wait until ``predicate()`` is truthy (re-checked on every report and beat)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -156,19 +176,24 @@ class FakeExecutor:
                 raise AssertionError(f"test executor failed: {self.errors}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"timed out waiting for {what}; reports: "
-                                     f"{[(r.kind.value, r.member_id) for r in self.reports]}")
+                raise AssertionError(
+                    f"timed out waiting for {what}; reports: "
+                    f"{[(r.kind.value, r.member_id) for r in self.reports]}"
+                )
             self._changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-            except TimeoutError:
-                pass
 
-    def of(self, kind: ReportKind, member_id: str | None = None,
-           generation: int | None = None) -> list[AgentReport]:
-        return [r for r in self.reports if r.kind == kind
-                and (member_id is None or r.member_id == member_id)
-                and (generation is None or r.generation == generation)]
+    def of(
+        self, kind: ReportKind, member_id: str | None = None, generation: int | None = None
+    ) -> list[AgentReport]:
+        return [
+            r
+            for r in self.reports
+            if r.kind == kind
+            and (member_id is None or r.member_id == member_id)
+            and (generation is None or r.generation == generation)
+        ]
 
     def step_of(self, member_id: str) -> int:
         steps = [b.step for b in self.beats if b.member_id == member_id]
@@ -178,31 +203,58 @@ class FakeExecutor:
 class LaunchedJob:
     """``torchrelay run`` of the test script as a subprocess (kill it with :meth:`close`)."""
 
-    def __init__(self, job_id: str, nats_url: str, home: Path, *, nproc: int, spares: int,
-                 env: dict[str, str] | None = None, nodes: int = 1,
-                 script: Path = TRAIN_SCRIPT, wait_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        nats_url: str,
+        home: Path,
+        *,
+        nproc: int,
+        spares: int,
+        env: dict[str, str] | None = None,
+        nodes: int = 1,
+        script: Path = TRAIN_SCRIPT,
+        wait_timeout: float = 30.0,
+    ) -> None:
         self.job_id = job_id
         self.home = home
         self.run_dir = home / "runs" / job_id
         self.log = home / f"{job_id}.log"
         full_env = dict(os.environ)
-        full_env.update({"NATS_URL": nats_url, "TORCHRELAY_HOME": str(home),
-                         "PYTHONPATH": str(REPO)})
+        full_env.update(
+            {"NATS_URL": nats_url, "TORCHRELAY_HOME": str(home), "PYTHONPATH": str(REPO)}
+        )
         full_env.update(env or {})
-        cmd = [sys.executable, "-m", "torchrelay.cli", "run", "--nproc", str(nproc),
-               "--spares", str(spares), "--job-id", job_id, "--nodes", str(nodes),
-               "--wait-timeout", str(wait_timeout), str(script)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchrelay.cli",
+            "run",
+            "--nproc",
+            str(nproc),
+            "--spares",
+            str(spares),
+            "--job-id",
+            job_id,
+            "--nodes",
+            str(nodes),
+            "--wait-timeout",
+            str(wait_timeout),
+            str(script),
+        ]
         self._out = self.log.open("wb")
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._out,
-                                     stderr=subprocess.STDOUT, cwd=home)
+        self.proc = subprocess.Popen(
+            cmd, env=full_env, stdout=self._out, stderr=subprocess.STDOUT, cwd=home
+        )
 
     async def wait(self, timeout: float = 120.0) -> int:
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None:
             if time.monotonic() > deadline:
                 self.close()
-                raise AssertionError(f"job {self.job_id} did not end in {timeout}s:\n"
-                                     f"{self.output()[-4000:]}")
+                raise AssertionError(
+                    f"job {self.job_id} did not end in {timeout}s:\n{self.output()[-4000:]}"
+                )
             await asyncio.sleep(0.1)
         return int(self.proc.returncode)
 

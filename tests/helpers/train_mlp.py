@@ -68,7 +68,15 @@ for step, (xb, yb) in job.batches(data, batch_size=8, max_steps=steps, seed=7):
 
 digest = job.state_digest()
 out = Path(os.environ["TORCHRELAY_RUN_DIR"]) / f"{member}.digest.json"
-out.write_text(json.dumps({"member_id": member, "rank": job.rank, "digest": digest,
-                           "committed_step": job.committed_step,
-                           "generation": job.generation}))
+out.write_text(
+    json.dumps(
+        {
+            "member_id": member,
+            "rank": job.rank,
+            "digest": digest,
+            "committed_step": job.committed_step,
+            "generation": job.generation,
+        }
+    )
+)
 job.finish()

@@ -40,8 +40,9 @@ class StepSampler:
     boundary may fall inside a step (the window wraps into the next epoch's order).
     """
 
-    def __init__(self, length: int, batch_size: int, world_size: int, *, seed: int = 0,
-                 shuffle: bool = True) -> None:
+    def __init__(
+        self, length: int, batch_size: int, world_size: int, *, seed: int = 0, shuffle: bool = True
+    ) -> None:
         if length <= 0:
             raise ValueError("the dataset is empty: job.batches needs at least one sample")
         if batch_size <= 0:
@@ -76,13 +77,14 @@ class StepSampler:
         return out
 
 
-def make_batch(dataset: Any, indices: list[int],
-               collate_fn: Callable[[list[Any]], Any] | None) -> Any:
+def make_batch(
+    dataset: Any, indices: list[int], collate_fn: Callable[[list[Any]], Any] | None
+) -> Any:
     """Collate ``dataset[i]`` for ``indices`` (torch's default collation unless given one)."""
     items = [dataset[i] for i in indices]
     if collate_fn is not None:
         return collate_fn(items)
-    from torch.utils.data import default_collate  # noqa: PLC0415
+    from torch.utils.data import default_collate
 
     return default_collate(items)
 

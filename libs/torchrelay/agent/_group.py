@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 
-class Abandoned(Exception):  # noqa: N818 - a control-flow signal, not an error
+class Abandoned(Exception):
     """A newer generation appeared while waiting: leave this group."""
 
 
@@ -49,8 +49,9 @@ class Wakeup:
         """Wake the training thread (callable from any thread)."""
         self._event.set()
 
-    def wait_for(self, ready: Callable[[], bool], stale: Callable[[], bool],
-                 slice_s: float = 1.0) -> None:
+    def wait_for(
+        self, ready: Callable[[], bool], stale: Callable[[], bool], slice_s: float = 1.0
+    ) -> None:
         """Block until ``ready()``; raise :class:`Abandoned` as soon as ``stale()``.
 
         Both predicates are re-checked after every wake-up, and at least every
@@ -77,8 +78,9 @@ class _Graveyard:
         """Hold ``objects`` until the process ends, off the training thread."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._hold, args=(self._queue,),
-                                                name="torchrelay-graveyard", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._hold, args=(self._queue,), name="torchrelay-graveyard", daemon=True
+                )
                 self._thread.start()
         self._queue.put(objects)
 
@@ -102,8 +104,9 @@ GRAVEYARD = _Graveyard()
 class Backend:
     """Builds process groups and tensors for one device kind (gloo on CPU, NCCL on CUDA)."""
 
-    def __init__(self, name: str, device: torch.device, timeout_s: float,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, name: str, device: torch.device, timeout_s: float, host: str = "127.0.0.1"
+    ) -> None:
         self.name = name
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -129,7 +132,7 @@ class Backend:
     def make_group(self, store: Any, rank: int, world_size: int) -> Any:
         """A fresh process group (no default group) on ``store``; blocks for rendezvous."""
         if self.name == "nccl":
-            from torch.distributed import ProcessGroupNCCL  # noqa: PLC0415
+            from torch.distributed import ProcessGroupNCCL
 
             nccl_opts = ProcessGroupNCCL.Options()
             nccl_opts._timeout = self.timeout
@@ -139,9 +142,9 @@ class Backend:
             if hasattr(pg, "eager_connect_single_device"):
                 pg.eager_connect_single_device(self.device)
             return pg
-        from torch.distributed import ProcessGroupGloo  # noqa: PLC0415
+        from torch.distributed import ProcessGroupGloo
 
-        gloo_opts = ProcessGroupGloo._Options()
+        gloo_opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         gloo_opts._timeout = self.timeout
         gloo_opts._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
         return ProcessGroupGloo(store, rank, world_size, gloo_opts)
@@ -190,8 +193,14 @@ def _wait_on_thread(work: Any, wakeup: Wakeup, stale: Callable[[], bool]) -> Non
         raise CollectiveError(str(box["error"]).splitlines()[0][:2000]) from box["error"]
 
 
-def form_group(backend: Backend, make_store: Callable[[], Any], rank: int, world_size: int,
-               wakeup: Wakeup, stale: Callable[[], bool]) -> Any:
+def form_group(
+    backend: Backend,
+    make_store: Callable[[], Any],
+    rank: int,
+    world_size: int,
+    wakeup: Wakeup,
+    stale: Callable[[], bool],
+) -> Any:
     """Build a process group on a helper thread; abandonable while the rendezvous waits.
 
     Raises:
@@ -230,5 +239,12 @@ def form_group(backend: Backend, make_store: Callable[[], Any], rank: int, world
     return box["pg"]
 
 
-__all__ = ["GRAVEYARD", "Abandoned", "Backend", "CollectiveError", "Wakeup", "form_group",
-           "wait_work"]
+__all__ = [
+    "GRAVEYARD",
+    "Abandoned",
+    "Backend",
+    "CollectiveError",
+    "Wakeup",
+    "form_group",
+    "wait_work",
+]

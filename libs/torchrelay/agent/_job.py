@@ -21,10 +21,11 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from torchrelay.agent._data import StepSampler, dataset_length, make_batch, seed_step
 from torchrelay.agent._group import (
@@ -64,8 +65,10 @@ class AgentError(RuntimeError):
 def _env(name: str, default: str | None = None) -> str:
     value = os.environ.get(name, default)
     if value is None:
-        raise AgentError(f"{name} is not set: start training scripts with `torchrelay run "
-                         "--nproc N SCRIPT` (it sets the job's environment)")
+        raise AgentError(
+            f"{name} is not set: start training scripts with `torchrelay run "
+            "--nproc N SCRIPT` (it sets the job's environment)"
+        )
     return value
 
 
@@ -77,15 +80,17 @@ def _nats_url() -> str:
     try:
         return str(json.loads((home / "stack.json").read_text())["nats_url"])
     except (OSError, ValueError, KeyError) as exc:
-        raise AgentError("no torchrelay stack: run `torchrelay up --detach` or set "
-                         "NATS_URL") from exc
+        raise AgentError(
+            "no torchrelay stack: run `torchrelay up --detach` or set NATS_URL"
+        ) from exc
 
 
 class Job:
     """This process's membership in a torchrelay job (create it with :func:`init`)."""
 
-    def __init__(self, *, collective_timeout_s: float | None = None,
-                 connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, *, collective_timeout_s: float | None = None, connect_timeout_s: float = 30.0
+    ) -> None:
         self.job_id = _env("TORCHRELAY_JOB_ID")
         self.member_id = _env("TORCHRELAY_MEMBER_ID", f"{self.job_id}-pid{os.getpid()}")
         self.role = Role(_env("TORCHRELAY_ROLE", "worker"))
@@ -95,7 +100,8 @@ class Job:
         self.tenant = _env("TORCHRELAY_TENANT", "default")
         self.run_dir = Path(_env("TORCHRELAY_RUN_DIR", "."))
         timeout_s = collective_timeout_s or float(
-            os.environ.get("TORCHRELAY_COLLECTIVE_TIMEOUT_S", "60"))
+            os.environ.get("TORCHRELAY_COLLECTIVE_TIMEOUT_S", "60")
+        )
         host = os.environ.get("TORCHRELAY_ADVERTISE_HOST", "127.0.0.1")
         self.backend = Backend.detect(self.gpu, timeout_s, host)
 
@@ -126,16 +132,24 @@ class Job:
         self._finished = False
 
         # The rendezvous store every member hosts; a generation names whose one is used.
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=self.backend.timeout)
+        self._store = TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=self.backend.timeout
+        )
         self.store_addr = f"{host}:{self._store.port}"
 
-        self._net = NetThread(_nats_url(), f"agent-{self.member_id}",
-                              os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None,
-                              connect_timeout_s)
+        self._net = NetThread(
+            _nats_url(),
+            f"agent-{self.member_id}",
+            os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None,
+            connect_timeout_s,
+        )
         self._install_exit_hooks()
-        self._report(ReportKind.JOINED, store_addr=self.store_addr, generation=0,
-                     event_id=make_event_id("joined", self.member_id))
+        self._report(
+            ReportKind.JOINED,
+            store_addr=self.store_addr,
+            generation=0,
+            event_id=make_event_id("joined", self.member_id),
+        )
         self._net.watch_generation(self.job_id, self._on_generation)
         self._net.start_every(LIVENESS_INTERVAL_S, self._liveness)
 
@@ -177,7 +191,8 @@ class Job:
         """Net thread: record a generation; fence at once if it drops us immediately."""
         with self._lock:
             if gen.job_id != self.job_id or (
-                    self._latest is not None and gen.generation <= self._latest.generation):
+                self._latest is not None and gen.generation <= self._latest.generation
+            ):
                 return
             self._latest = gen
             if gen.mode == MigrationMode.IMMEDIATE:
@@ -185,9 +200,15 @@ class Job:
             named = gen.member_rank(self.member_id) is not None
             if named:
                 self._ever_named = True
-            drop_now = (not named and self._ever_named and (
-                gen.mode == MigrationMode.IMMEDIATE or self.member_id not in gen.departing
-                or self._gen is None))
+            drop_now = (
+                not named
+                and self._ever_named
+                and (
+                    gen.mode == MigrationMode.IMMEDIATE
+                    or self.member_id not in gen.departing
+                    or self._gen is None
+                )
+            )
             if named and self._named_t is None:
                 self._named_t = time.monotonic()
             if self._disrupted_t is None and self._gen is not None:
@@ -197,8 +218,9 @@ class Job:
         self._wakeup.set()
         if drop_now:
             # On the net thread: the report must go out from this loop before we exit.
-            self._net.submit(self._fence_from_loop(
-                f"generation {gen.generation} does not name {self.member_id}"))
+            self._net.submit(
+                self._fence_from_loop(f"generation {gen.generation} does not name {self.member_id}")
+            )
 
     def _stale(self, gen: Generation) -> Callable[[], bool]:
         """Whether a generation newer than ``gen`` requires leaving it at once."""
@@ -213,8 +235,10 @@ class Job:
                 return latest
             if latest is not None and self._ever_named:
                 self._fence(f"generation {latest.generation} does not name {self.member_id}")
-            self._wakeup.wait_for(lambda: self._latest is not latest, lambda: False,
-                                  slice_s=5.0)
+            self._wait_newer_than(latest)
+
+    def _wait_newer_than(self, seen: Generation | None) -> None:
+        self._wakeup.wait_for(lambda: self._latest is not seen, lambda: False, slice_s=5.0)
 
     def _store_for(self, gen: Generation) -> Any:
         """A fresh client of the generation's store (runs on the rendezvous thread).
@@ -224,8 +248,13 @@ class Job:
         the next generation's rendezvous until the store timeout.
         """
         host, _, port = gen.store_addr.rpartition(":")
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=self.backend.timeout)
+        return TCPStore(
+            host, int(port), is_master=False, wait_for_workers=False, timeout=self.backend.timeout
+        )
+
+    def _store_factory(self, gen: Generation) -> Callable[[], Any]:
+        """Builds generation ``gen``'s store, under its own prefix, on the rendezvous thread."""
+        return lambda: PrefixStore(f"{self.job_id}/g{gen.generation}", self._store_for(gen))
 
     def _enter_generation(self) -> None:
         """Join the newest generation naming us and bring every rank to the same state."""
@@ -238,10 +267,14 @@ class Job:
             assert rank is not None
             stale = self._stale(gen)
             try:
-                prefix = f"{self.job_id}/g{gen.generation}"
-                pg = form_group(self.backend,
-                                lambda g=gen, p=prefix: dist.PrefixStore(p, self._store_for(g)),
-                                rank, gen.world_size, self._wakeup, stale)
+                pg = form_group(
+                    self.backend,
+                    self._store_factory(gen),
+                    rank,
+                    gen.world_size,
+                    self._wakeup,
+                    stale,
+                )
             except Abandoned:
                 continue
             except CollectiveError as exc:
@@ -256,20 +289,24 @@ class Job:
                 self._collective_failed(gen, rank, exc)
                 continue
             self._regroup = False
-            self._resume = {"generation": gen.generation, "rank": rank,
-                            "bytes_received": received, "lost_steps": self._lost_steps,
-                            "step": self._committed + 1}
+            self._resume = {
+                "generation": gen.generation,
+                "rank": rank,
+                "bytes_received": received,
+                "lost_steps": self._lost_steps,
+                "step": self._committed + 1,
+            }
             return
 
-    def _sync_state(self, gen: Generation, pg: Any, rank: int,
-                    stale: Callable[[], bool]) -> int:
+    def _sync_state(self, gen: Generation, pg: Any, rank: int, stale: Callable[[], bool]) -> int:
         """Agree on the highest committed step; its lowest holder sends its state below.
 
         Returns the number of state bytes this rank received.
         """
         dev = self.backend.device
-        mine = torch.tensor([self._committed if self._has_state else NO_STATE],
-                            dtype=torch.int64, device=dev)
+        mine = torch.tensor(
+            [self._committed if self._has_state else NO_STATE], dtype=torch.int64, device=dev
+        )
         outs = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(gen.world_size)]
         self._run(pg.allgather([outs], [mine]), pg, stale)
         steps = [int(t.item()) for t in outs]
@@ -313,16 +350,25 @@ class Job:
 
     def _collective_failed(self, gen: Generation, rank: int, exc: CollectiveError) -> None:
         """Report the failure and wait until a newer generation is known."""
-        self._report(ReportKind.COLLECTIVE_FAILED, generation=gen.generation, rank=rank,
-                     step=self._committed + 1, peer_rank=exc.peer_rank, error=str(exc)[:8000],
-                     event_id=make_event_id("collective_failed", self.member_id,
-                                            gen.generation, self._committed + 1))
+        self._report(
+            ReportKind.COLLECTIVE_FAILED,
+            generation=gen.generation,
+            rank=rank,
+            step=self._committed + 1,
+            peer_rank=exc.peer_rank,
+            error=str(exc)[:8000],
+            event_id=make_event_id(
+                "collective_failed", self.member_id, gen.generation, self._committed + 1
+            ),
+        )
         with self._lock:
             if self._disrupted_t is None:
                 self._disrupted_t = time.monotonic()
-        self._wakeup.wait_for(lambda: (self._latest is not None
-                                       and self._latest.generation > gen.generation),
-                              lambda: False, slice_s=5.0)
+        self._wakeup.wait_for(
+            lambda: self._latest is not None and self._latest.generation > gen.generation,
+            lambda: False,
+            slice_s=5.0,
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -333,14 +379,19 @@ class Job:
         """
         for name, obj in stateful.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"job.track({name}=...) needs state_dict() and "
-                                "load_state_dict()")
+                raise TypeError(f"job.track({name}=...) needs state_dict() and load_state_dict()")
             self._tracked[name] = obj
 
-    def batches(self, dataset: Any, batch_size: int, max_steps: int, *, seed: int = 0,
-                shuffle: bool = True,
-                collate_fn: Callable[[list[Any]], Any] | None = None,
-                ) -> Iterator[tuple[int, Any]]:
+    def batches(
+        self,
+        dataset: Any,
+        batch_size: int,
+        max_steps: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> Iterator[tuple[int, Any]]:
         """Yield ``(step, batch)`` for this rank until ``max_steps`` steps are committed.
 
         The batch of (step, rank) and the step's RNG seeds are pure functions of ``seed``,
@@ -348,18 +399,22 @@ class Job:
         step that did not commit (a peer failed) is yielded again.
         """
         if not self._tracked:
-            log.warning("torchrelay: nothing is tracked; call job.track(model=..., "
-                        "optimizer=...) or a spare cannot receive the state")
+            log.warning(
+                "torchrelay: nothing is tracked; call job.track(model=..., "
+                "optimizer=...) or a spare cannot receive the state"
+            )
         length = dataset_length(dataset)
         sampler: StepSampler | None = None
         while True:
             if self._regroup or self._pg is None:
                 self._enter_generation()
             gen = self._gen
-            assert gen is not None and self._rank is not None
+            assert gen is not None
+            assert self._rank is not None
             if sampler is None or sampler.world_size != gen.world_size:
-                sampler = StepSampler(length, batch_size, gen.world_size, seed=seed,
-                                      shuffle=shuffle)
+                sampler = StepSampler(
+                    length, batch_size, gen.world_size, seed=seed, shuffle=shuffle
+                )
             step = self._committed + 1
             if step >= max_steps:
                 if self._agree_done(max_steps):
@@ -371,8 +426,7 @@ class Job:
             self._step_started = time.perf_counter()
             yield step, batch
             if not self._step_called:
-                raise AgentError("call job.step(optimizer) once for every batch of "
-                                 "job.batches()")
+                raise AgentError("call job.step(optimizer) once for every batch of job.batches()")
 
     def _agree_done(self, max_steps: int) -> bool:
         """Every live rank has committed the last step: the loop may end everywhere."""
@@ -401,12 +455,16 @@ class Job:
         gen, pg = self._gen, self._pg
         assert gen is not None
         step = self._in_step if self._in_step is not None else self._committed + 1
-        params = [p for opt in optimizers for group in opt.param_groups
-                  for p in group["params"] if p.requires_grad]
+        params = [
+            p
+            for opt in optimizers
+            for group in opt.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        ]
         params = list(dict.fromkeys(params))  # a parameter shared by two optimizers: once
         with self._lock:
-            switch_wanted = (self._latest is not None
-                             and self._latest.generation > gen.generation)
+            switch_wanted = self._latest is not None and self._latest.generation > gen.generation
         buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0)
         try:
             self._run(pg.allreduce([buf], dist.AllreduceOptions()), pg, self._stale(gen))
@@ -445,12 +503,16 @@ class Job:
             resume, self._resume = self._resume, None
             since = self._last_commit_t if self._last_commit_t is not None else self._named_t
             stall_ms = 0.0 if gen.generation == 1 or since is None else (now - since) * 1000
-            self._report(ReportKind.RESUMED, generation=resume["generation"],
-                         rank=resume["rank"], step=resume["step"],
-                         lost_steps=resume["lost_steps"],
-                         bytes_received=resume["bytes_received"], stall_ms=stall_ms,
-                         event_id=make_event_id("resumed", self.member_id,
-                                                resume["generation"]))
+            self._report(
+                ReportKind.RESUMED,
+                generation=resume["generation"],
+                rank=resume["rank"],
+                step=resume["step"],
+                lost_steps=resume["lost_steps"],
+                bytes_received=resume["bytes_received"],
+                stall_ms=stall_ms,
+                event_id=make_event_id("resumed", self.member_id, resume["generation"]),
+            )
             self._lost_steps = 0
             with self._lock:
                 self._disrupted_t = None
@@ -461,9 +523,10 @@ class Job:
 
     def _switch_at_boundary(self, gen: Generation) -> None:
         """After the agreed commit: leave for the newer generation, or exit if dropped."""
-        self._wakeup.wait_for(lambda: (self._latest is not None
-                                       and self._latest.generation > gen.generation),
-                              lambda: False)
+        self._wakeup.wait_for(
+            lambda: self._latest is not None and self._latest.generation > gen.generation,
+            lambda: False,
+        )
         with self._lock:
             latest = self._latest
         assert latest is not None
@@ -479,9 +542,13 @@ class Job:
         if self._finished:
             return
         self._finished = True
-        self._report(ReportKind.FINISHED, generation=self.generation, rank=self._rank,
-                     step=self._committed,
-                     event_id=make_event_id("finished", self.member_id, self.generation))
+        self._report(
+            ReportKind.FINISHED,
+            generation=self.generation,
+            rank=self._rank,
+            step=self._committed,
+            event_id=make_event_id("finished", self.member_id, self.generation),
+        )
         if self._pg is not None:
             # A clean group tears down quickly, but never risk it on the training thread.
             self.backend.abandon(self._pg)
@@ -497,21 +564,40 @@ class Job:
     def _make_report(self, kind: ReportKind, *, event_id: str, **fields: Any) -> AgentReport:
         fields.setdefault("rank", self._rank)
         return AgentReport(
-            event_id=event_id, source=f"agent:{self.member_id}", job_id=self.job_id,
-            member_id=self.member_id, kind=kind, role=self.role, node=self.node, gpu=self.gpu,
-            pid=os.getpid(), cluster=self.cluster, **fields)
+            event_id=event_id,
+            source=f"agent:{self.member_id}",
+            job_id=self.job_id,
+            member_id=self.member_id,
+            kind=kind,
+            role=self.role,
+            node=self.node,
+            gpu=self.gpu,
+            pid=os.getpid(),
+            cluster=self.cluster,
+            **fields,
+        )
 
     def _report(self, kind: ReportKind, *, event_id: str, **fields: Any) -> None:
-        self._net.publish(self._make_report(kind, event_id=event_id, **fields),
-                          Subjects.agent_report(self.job_id))
+        self._net.publish(
+            self._make_report(kind, event_id=event_id, **fields), Subjects.agent_report(self.job_id)
+        )
 
-    def _heartbeat(self, kind: str) -> None:
+    def _heartbeat(self, kind: Literal["step", "liveness"]) -> None:
         beat = Heartbeat(
             event_id=make_event_id("hb", self.member_id, kind, time.time_ns()),
-            source=f"agent:{self.member_id}", job_id=self.job_id, member_id=self.member_id,
-            rank=self._rank, generation=self.generation, step=self._committed,
-            step_time_s=self._step_time, kind=kind,  # type: ignore[arg-type]
-            node=self.node, gpu=self.gpu, pid=os.getpid(), cluster=self.cluster)
+            source=f"agent:{self.member_id}",
+            job_id=self.job_id,
+            member_id=self.member_id,
+            rank=self._rank,
+            generation=self.generation,
+            step=self._committed,
+            step_time_s=self._step_time,
+            kind=kind,
+            node=self.node,
+            gpu=self.gpu,
+            pid=os.getpid(),
+            cluster=self.cluster,
+        )
         self._net.publish_core(Subjects.heartbeat(self.job_id), beat)
 
     def _liveness(self) -> None:
@@ -519,8 +605,12 @@ class Job:
 
     def _fenced_report(self, why: str) -> AgentReport:
         return self._make_report(
-            ReportKind.FENCED, generation=self.generation, error=why, step=self._committed,
-            event_id=make_event_id("fenced", self.member_id, self.generation))
+            ReportKind.FENCED,
+            generation=self.generation,
+            error=why,
+            step=self._committed,
+            event_id=make_event_id("fenced", self.member_id, self.generation),
+        )
 
     def _fence(self, why: str) -> NoReturn:
         """Exit with EXIT_FENCED: another process holds our rank; nothing more is committed."""
@@ -532,28 +622,36 @@ class Job:
 
     async def _fence_from_loop(self, why: str) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._net.bus.publish(
-                self._fenced_report(why), Subjects.agent_report(self.job_id)), 2.0)
+            await asyncio.wait_for(
+                self._net.bus.publish(self._fenced_report(why), Subjects.agent_report(self.job_id)),
+                2.0,
+            )
         print(f"torchrelay: {self.member_id} fenced: {why}", file=sys.stderr, flush=True)
         _hard_exit(EXIT_FENCED)
 
     def _install_exit_hooks(self) -> None:
         previous = sys.excepthook
 
-        def _hook(exc_type: type[BaseException], exc: BaseException,
-                  tb: TracebackType | None) -> None:
+        def _hook(
+            exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+        ) -> None:
             if issubclass(exc_type, KeyboardInterrupt):
                 previous(exc_type, exc, tb)
                 _hard_exit(130)
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             with contextlib.suppress(OSError):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / f"{self.member_id}.exit.json").write_text(json.dumps(
-                    {"kind": "application_error", "error": text[-8000:]}))
+                (self.run_dir / f"{self.member_id}.exit.json").write_text(
+                    json.dumps({"kind": "application_error", "error": text[-8000:]})
+                )
             with contextlib.suppress(Exception):
-                self._report(ReportKind.APPLICATION_ERROR, generation=self.generation,
-                             step=self._committed, error=text[-8000:],
-                             event_id=make_event_id("application_error", self.member_id))
+                self._report(
+                    ReportKind.APPLICATION_ERROR,
+                    generation=self.generation,
+                    step=self._committed,
+                    error=text[-8000:],
+                    event_id=make_event_id("application_error", self.member_id),
+                )
                 self._net.flush(3.0)
             previous(exc_type, exc, tb)
             # Exit now: abandoned groups and the net thread must not delay the exit.
@@ -569,13 +667,14 @@ def _hard_exit(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _flatten(params: list[torch.nn.Parameter], device: torch.device,
-             flag: float) -> torch.Tensor:
+def _flatten(params: list[torch.nn.Parameter], device: torch.device, flag: float) -> torch.Tensor:
     """One buffer of every gradient (zeros where a parameter has none) plus the flag."""
     dtypes = {p.dtype for p in params}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-             for p in params]
+    parts = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+        for p in params
+    ]
     parts.append(torch.tensor([flag], dtype=dtype, device=device))
     return torch.cat(parts).to(device)
 
@@ -584,7 +683,7 @@ def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        view = flat[offset:offset + n].view_as(p).to(p.dtype)
+        view = flat[offset : offset + n].view_as(p).to(p.dtype)
         if p.grad is None:
             p.grad = view.clone()
         else:
@@ -606,7 +705,7 @@ def init(**kwargs: Any) -> Job:
     job = Job(**kwargs)
     if job.role == Role.SPARE:
         _warm_up()
-    job._named_generation()  # noqa: SLF001 - init is the Job's own entry point
+    job._named_generation()
     return job
 
 
@@ -617,6 +716,6 @@ def _warm_up() -> None:
     spare does it before it is needed, so the survivors do not wait for it after a failure.
     """
     try:
-        import torch._dynamo  # noqa: F401, PLC0415
+        import torch._dynamo  # noqa: F401
     except Exception as exc:
         log.debug("torchrelay: warm-up import failed: %r", exc)

@@ -30,16 +30,19 @@ POLL_INTERVAL_S = 2.0  # belt and braces next to the KV watch (e.g. across a rec
 class NetThread:
     """A daemon thread running an asyncio loop with a bus connection of this member."""
 
-    def __init__(self, url: str, name: str, credentials: str | None = None,
-                 connect_timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, name: str, credentials: str | None = None, connect_timeout: float = 30.0
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="torchrelay-net", daemon=True)
         self._thread.start()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._pending_lock = threading.Lock()
         self._tasks: list[asyncio.Task[None]] = []
-        self.bus: Bus = self.call(Bus.connect(url, name, credentials=credentials,
-                                              timeout=connect_timeout), connect_timeout + 5)
+        self.bus: Bus = self.call(
+            Bus.connect(url, name, credentials=credentials, timeout=connect_timeout),
+            connect_timeout + 5,
+        )
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -94,8 +97,9 @@ class NetThread:
                     log.warning("torchrelay agent: periodic action failed: %r", exc)
                 await asyncio.sleep(interval_s)
 
-        self._loop.call_soon_threadsafe(lambda: self._tasks.append(self._loop.create_task(
-            _every())))
+        self._loop.call_soon_threadsafe(
+            lambda: self._tasks.append(self._loop.create_task(_every()))
+        )
 
     def watch_generation(self, job_id: str, on_generation: Callable[[Generation], None]) -> None:
         """Call ``on_generation`` (on this thread) for the job's current and every new

@@ -27,8 +27,9 @@ class Stateful(Protocol):
 def pack_state(tracked: Mapping[str, Stateful], step: int) -> bytes:
     """``torch.save`` bytes of every tracked state dict and the committed step."""
     buf = io.BytesIO()
-    torch.save({"step": step, "state": {name: obj.state_dict()
-                                        for name, obj in tracked.items()}}, buf)
+    torch.save(
+        {"step": step, "state": {name: obj.state_dict() for name, obj in tracked.items()}}, buf
+    )
     return buf.getvalue()
 
 
@@ -44,8 +45,10 @@ def unpack_state(data: bytes, tracked: Mapping[str, Stateful]) -> int:
     payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     state = payload["state"]
     if set(state) != set(tracked):
-        raise ValueError(f"the recovery source tracks {sorted(state)} but this process tracks "
-                         f"{sorted(tracked)}: call job.track() with the same names everywhere")
+        raise ValueError(
+            f"the recovery source tracks {sorted(state)} but this process tracks "
+            f"{sorted(tracked)}: call job.track() with the same names everywhere"
+        )
     for name, obj in tracked.items():
         obj.load_state_dict(state[name])
     return int(payload["step"])

@@ -25,16 +25,23 @@ class JobRunner:
         self.jobs: list[LaunchedJob] = []
         self.executors: list[FakeExecutor] = []
 
-    async def start(self, name: str, *, nproc: int, spares: int = 0,
-                    env: dict[str, str] | None = None, auto_replace: bool = True,
-                    nodes: int = 1) -> tuple[LaunchedJob, FakeExecutor]:
+    async def start(
+        self,
+        name: str,
+        *,
+        nproc: int,
+        spares: int = 0,
+        env: dict[str, str] | None = None,
+        auto_replace: bool = True,
+        nodes: int = 1,
+    ) -> tuple[LaunchedJob, FakeExecutor]:
         job_id = f"{name}-{os.getpid()}-{next(_ids)}"
-        executor = await FakeExecutor(self.bus, job_id, nproc,
-                                      auto_replace=auto_replace).start()
+        executor = await FakeExecutor(self.bus, job_id, nproc, auto_replace=auto_replace).start()
         self.executors.append(executor)
         env = {k: v.replace("{job}", job_id) for k, v in (env or {}).items()}
-        job = LaunchedJob(job_id, self.nats_url, self.home, nproc=nproc, spares=spares,
-                          env=env, nodes=nodes)
+        job = LaunchedJob(
+            job_id, self.nats_url, self.home, nproc=nproc, spares=spares, env=env, nodes=nodes
+        )
         self.jobs.append(job)
         return job, executor
 
@@ -50,4 +57,3 @@ async def runner(bus: Bus, nats_url: str, tmp_path: Path) -> AsyncIterator[JobRu
     r = JobRunner(bus, nats_url, tmp_path)
     yield r
     await r.close()
-

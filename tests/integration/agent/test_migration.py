@@ -63,9 +63,13 @@ async def test_sigkill_mid_step_hot_spare_takes_the_rank(runner: JobRunner) -> N
 
     gen2 = ex.generations[1]
     assert gen2.member_rank(f"{job.job_id}-s0") == 1
-    resumed = await ex.wait_for("RESUMED in generation 2",
-                                lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC
-                                and ex.of(ReportKind.RESUMED, generation=2))
+    resumed = await ex.wait_for(
+        "RESUMED in generation 2",
+        lambda: (
+            len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC
+            and ex.of(ReportKind.RESUMED, generation=2)
+        ),
+    )
     assert max(r.lost_steps or 0 for r in resumed) <= 1
     spare = next(r for r in resumed if r.member_id == f"{job.job_id}-s0")
     assert (spare.bytes_received or 0) > 0
@@ -94,8 +98,9 @@ async def test_two_failures_one_after_the_other(runner: JobRunner) -> None:
     first = f"{job.job_id}-w0"  # rank 0 also hosts the first generation's store
     await until_step(ex, first, KILL_AT)
     os.kill(job.pid_of(first), signal.SIGKILL)
-    await ex.wait_for("generation 2 running",
-                      lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC)
+    await ex.wait_for(
+        "generation 2 running", lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC
+    )
     second = f"{job.job_id}-w2"
     await until_step(ex, second, ex.step_of(second) + 3)
     os.kill(job.pid_of(second), signal.SIGKILL)
@@ -107,8 +112,9 @@ async def test_two_failures_one_after_the_other(runner: JobRunner) -> None:
 async def test_spare_dying_while_joining(runner: JobRunner) -> None:
     ref = await reference(runner)
     # s0 kills itself right after a generation names it, before it has received the state.
-    job, ex = await runner.start("diejoin", nproc=NPROC, spares=2,
-                                 env={**ENV, "TR_DIE_ON_JOIN": "{job}-s0"})
+    job, ex = await runner.start(
+        "diejoin", nproc=NPROC, spares=2, env={**ENV, "TR_DIE_ON_JOIN": "{job}-s0"}
+    )
     victim = f"{job.job_id}-w1"
     await until_step(ex, victim, KILL_AT)
     os.kill(job.pid_of(victim), signal.SIGKILL)
@@ -121,8 +127,9 @@ async def test_spare_dying_while_joining(runner: JobRunner) -> None:
 async def test_sigstop_survivors_leave_the_stuck_collective(runner: JobRunner) -> None:
     ref = await reference(runner)
     # A long collective timeout: leaving must come from the new generation, not a timeout.
-    job, ex = await runner.start("stop", nproc=NPROC, spares=1,
-                                 env={**ENV, "TORCHRELAY_COLLECTIVE_TIMEOUT_S": "120"})
+    job, ex = await runner.start(
+        "stop", nproc=NPROC, spares=1, env={**ENV, "TORCHRELAY_COLLECTIVE_TIMEOUT_S": "120"}
+    )
     victim = f"{job.job_id}-w1"
     await until_step(ex, victim, KILL_AT)
     pid = job.pid_of(victim)
@@ -130,21 +137,23 @@ async def test_sigstop_survivors_leave_the_stuck_collective(runner: JobRunner) -
     try:
         written = time.monotonic()
         await ex.replace(1, MigrationMode.IMMEDIATE, reason="hang")
-        await ex.wait_for("survivors resumed in generation 2",
-                          lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC,
-                          timeout=30)
+        await ex.wait_for(
+            "survivors resumed in generation 2",
+            lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC,
+            timeout=30,
+        )
         assert time.monotonic() - written < 20  # far below the 120 s collective timeout
     finally:
         os.kill(pid, signal.SIGCONT)
-    exits = await ex.wait_for("the stopped worker's exit",
-                              lambda: ex.of(ReportKind.WORKER_EXIT, member_id=victim))
+    exits = await ex.wait_for(
+        "the stopped worker's exit", lambda: ex.of(ReportKind.WORKER_EXIT, member_id=victim)
+    )
     assert exits[0].exit_code == EXIT_FENCED
     await finish(job, ref)
 
 
 async def test_application_error_is_not_migrated(runner: JobRunner) -> None:
-    job, ex = await runner.start("apperr", nproc=NPROC, spares=1,
-                                 env={**ENV, "TR_RAISE_AT": "1:4"})
+    job, ex = await runner.start("apperr", nproc=NPROC, spares=1, env={**ENV, "TR_RAISE_AT": "1:4"})
     code = await job.wait()
     out = job.output()
     assert code != 0
