@@ -330,16 +330,44 @@ class SagaRunner:
             ),
             Subjects.MIGRATION_STARTED,
         )
-        return await self._save(saga.published(state, gen, now, self.timing))
+        moved = await self._save(saga.published(state, gen, now, self.timing))
+        # The generation is written: another migration of the job (a second failure while
+        # this one waits for its ranks) may now write the next one on top of it.
+        await self.store.unlock_job(state.job_id, state.migration_id)
+        return moved
 
     async def _await_resume(self, state: SagaState, now: datetime) -> SagaState | None:
         assert state.generation_after is not None
-        reports = await self.store.resumed(state.job_id, state.generation_after)
-        stats = saga.resume_stats(state.members_after, state.spare_member, reports)
-        if stats is not None:
-            return await self._save(saga.resumed(state, stats, now))
-        if state.deadline is not None and now >= state.deadline:
-            missing = [m for m in state.members_after if m not in reports]
+        # The generations to look at: ours, and a newer one written by a later migration
+        # (a second failure) while we waited, as long as it keeps our spare in our rank.
+        views = [(state.generation_after, state.members_after)]
+        found = await self._current(state)
+        if found is not None and found[0].generation > state.generation_after:
+            newest = found[0]
+            if state.spare_member and newest.member_rank(state.spare_member) != state.rank:
+                return await self._save(
+                    saga.fail(
+                        state,
+                        Resolution.LOST,
+                        now,
+                        f"{state.spare_member} lost rank {state.rank} to generation "
+                        f"{newest.generation} before it resumed",
+                    )
+                )
+            views.append((newest.generation, [a.member_id for a in newest.ranks]))
+        expired = state.deadline is not None and now >= state.deadline
+        missing: list[str] = []
+        for generation, members in reversed(views):
+            reports = await self.store.resumed(state.job_id, generation)
+            stats = saga.resume_stats(members, state.spare_member, reports)
+            if stats is None and expired:
+                # Past the deadline, a spare that resumed completes the migration even if a
+                # survivor did not: that survivor's own failure is another incident's job.
+                stats = saga.resume_stats(members, state.spare_member, reports, partial=True)
+            if stats is not None:
+                return await self._save(saga.resumed(state, stats, now))
+            missing = [m for m in members if m not in reports]
+        if expired:
             return await self._save(
                 saga.timed_out(state, now, self.timing, f"no RESUMED from {', '.join(missing)}")
             )

@@ -445,19 +445,29 @@ def waiting_for(state: SagaState, now: datetime) -> bool:
 
 
 def resume_stats(
-    members: list[str], newcomer: str | None, reports: dict[str, dict[str, Any]]
+    members: list[str],
+    newcomer: str | None,
+    reports: dict[str, dict[str, Any]],
+    *,
+    partial: bool = False,
 ) -> ResumeStats | None:
     """The migration's figures once every member of the new generation RESUMED, else None.
 
     stall_ms is the longest stall among the survivors (every member but the newcomer, whose
     "stall" is its start-up); a world of one has no survivor and takes the newcomer's.
-    lost_steps is the largest, bytes_moved the sum of what every rank received.
+    lost_steps is the largest, bytes_moved the sum of what every rank received. With
+    ``partial``, the figures of the members that did report, as long as the newcomer did.
     """
     got = [reports.get(m) for m in members]
-    if not got or any(r is None for r in got):
+    if not got:
+        return None
+    if partial:
+        if newcomer is not None and newcomer not in reports:
+            return None
+    elif any(r is None for r in got):
         return None
     present = [r for r in got if r is not None]
-    survivors = [reports[m] for m in members if m != newcomer]
+    survivors = [reports[m] for m in members if m != newcomer and m in reports]
     pool = survivors or present
     return ResumeStats(
         stall_ms=max(float(r.get("stall_ms") or 0.0) for r in pool),

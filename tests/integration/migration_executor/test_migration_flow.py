@@ -371,3 +371,31 @@ async def test_repeated_requests_and_faults_start_one_migration(
         assert (await bus.get_generation("j10"))[0].generation == 2  # type: ignore[index]
         incidents = await bus.request(Subjects.rpc("scheduler", "incident_list"), {"job_id": "j10"})
         assert len(incidents["items"]) == 1
+
+
+async def test_second_failure_during_a_migration_is_not_held_up_by_it(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SparePoolView,
+) -> None:
+    job = SimJob(bus, "j11", spares=2)
+    async with control_plane(nats_url, redis_url, resume_timeout_s=60.0):
+        await job.start()
+        await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        # Rank 3 dies too before anyone resumed in generation 2: its migration goes on top
+        # at once (no waiting out generation 2's deadline), and the agents, who skip
+        # straight to generation 3, resume only there.
+        await bus.publish(job.fault(rank=3), Subjects.FAULT_DETECTED)
+        gen3 = await job.generation(3, timeout=10)
+        assert gen3.ranks[1].member_id == gen2.ranks[1].member_id
+        assert gen3.ranks[3].member_id not in ("j11-w3", gen2.ranks[1].member_id)
+        await job.resumed(gen3, {"j11-w0": {"stall_ms": 90.0, "lost_steps": 1}})
+        closed = await _closed(tap, "j11", 2)
+        assert {c.incident.resolution for c in closed} == {Resolution.MIGRATED_LIVE}
+        assert {c.incident.rank for c in closed} == {1, 3}
+        assert {c.incident.stall_ms for c in closed} == {90.0}
+        assert await pool.in_state("reserved") == []

@@ -369,3 +369,13 @@ def test_leases_are_never_leaked(steps: list[str], policy: JobPolicy, shrink: bo
             assert s.outcome in ("completed", "failed")
             if s.outcome == "failed":
                 assert s.fallback is not None
+
+
+def test_partial_resume_stats_need_the_newcomer() -> None:
+    members = ["j-w0", "j-s0", "j-w2"]
+    reports = {"j-w0": {"stall_ms": 30.0}, "j-s0": {"bytes_received": 7}}
+    assert saga.resume_stats(members, "j-s0", reports) is None
+    partial = saga.resume_stats(members, "j-s0", reports, partial=True)
+    assert partial == ResumeStats(stall_ms=30.0, lost_steps=0, bytes_moved=7)
+    del reports["j-s0"]
+    assert saga.resume_stats(members, "j-s0", reports, partial=True) is None
