@@ -1,0 +1,104 @@
+"""Launcher and chaos rules: exits, slots, where NATS is, argument errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from torchrelay.chaos import cmd_chaos, node_request
+from torchrelay.cli import build_parser
+from torchrelay.launcher import (
+    LauncherError,
+    classify_exit,
+    cmd_run,
+    describe_exit,
+    resolve_nats_url,
+    slot_of,
+)
+
+
+def test_exit_codes_say_what_happened() -> None:
+    record = {"kind": "application_error", "error": "Traceback..."}
+    assert classify_exit(0, None) == "finished"
+    assert classify_exit(75, None) == "fenced"
+    assert classify_exit(1, record) == "application_error"
+    assert classify_exit(1, None) == "lost"  # no exit record: not the user's exception
+    assert classify_exit(-9, None) == "lost"
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(3) == "exit code 3"
+
+
+def test_slots_spread_round_robin_over_nodes() -> None:
+    assert [slot_of(i, 2, "local") for i in range(5)] == [
+        ("local-0", 0),
+        ("local-1", 0),
+        ("local-0", 1),
+        ("local-1", 1),
+        ("local-0", 2),
+    ]
+
+
+def test_nats_url_from_env_then_stack_file(tmp_path: Path) -> None:
+    assert resolve_nats_url({"NATS_URL": "nats://a:1"}) == "nats://a:1"
+    (tmp_path / "stack.json").write_text(json.dumps({"nats_url": "nats://b:2"}))
+    assert resolve_nats_url({"TORCHRELAY_HOME": str(tmp_path)}) == "nats://b:2"
+    with pytest.raises(LauncherError, match="torchrelay up --detach"):
+        resolve_nats_url({"TORCHRELAY_HOME": str(tmp_path / "none")})
+
+
+def test_run_without_a_stack_exits_2_with_a_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.setenv("TORCHRELAY_HOME", str(tmp_path))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = build_parser().parse_args(["run", "--nproc", "2", str(script)])
+    assert cmd_run(args) == 2
+    assert (
+        "no torchrelay stack: run `torchrelay up --detach` or set NATS_URL"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--nproc", "0", "x.py"], "--nproc"),
+        (["run", "--nproc", "1", "--job-id", "bad id", "x.py"], "--job-id"),
+        (["run", "--nproc", "1", "missing.py"], "does not exist"),
+    ],
+)
+def test_bad_run_arguments_exit_2(
+    argv: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
+    assert cmd_run(build_parser().parse_args(argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_chaos_needs_a_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_chaos(build_parser().parse_args(["chaos", "kill", "--job", "j"])) == 2
+    assert "--job ID --rank R" in capsys.readouterr().err
+    assert cmd_chaos(build_parser().parse_args(["chaos", "xid", "--code", "79"])) == 2
+    assert "--node N" in capsys.readouterr().err
+
+
+def test_node_faults_are_forwarded_as_simulator_requests() -> None:
+    args = argparse.Namespace(fault="xid", gpu=3, code=79, factor=None, duration=None)
+    assert node_request(args) == {
+        "fault": "xid",
+        "gpu": 3,
+        "code": 79,
+        "factor": None,
+        "duration": None,
+    }
