@@ -35,6 +35,9 @@ return {'opened', ARGV[1]}
 """
 
 
+_CHUNK = 256
+
+
 def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
@@ -131,20 +134,35 @@ class IncidentStore:
         resolution: str | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
-    ) -> list[Incident]:
-        """Incidents matching every given filter, newest detection first."""
+        offset: int = 0,
+        limit: int | None = None,
+    ) -> tuple[list[Incident], bool]:
+        """Incidents matching every given filter, newest detection first.
+
+        Returns the ``limit`` matches after the first ``offset`` and whether more match.
+        Reads in chunks and stops once the page is full, so a page costs what it shows
+        (plus what the filters skip), not the size of the whole ledger.
+        """
         key = f"{self._p}:incidents:job:{job_id}" if job_id else f"{self._p}:incidents"
         lo = "-inf" if since is None else str(since.timestamp() * 1000.0)
         hi = "+inf" if until is None else str(until.timestamp() * 1000.0)
-        ids = [_text(x) for x in await self._r.zrevrangebyscore(key, hi, lo)]
-        out: list[Incident] = []
-        for incident_id in ids:
-            inc = await self.get(incident_id)
-            if inc is None:
-                continue
-            if tenant is not None and inc.tenant != tenant:
-                continue
-            if resolution is not None and inc.resolution.value != resolution:
-                continue
-            out.append(inc)
-        return out
+        wanted = None if limit is None else offset + limit + 1
+        matched: list[Incident] = []
+        position = 0
+        while wanted is None or len(matched) < wanted:
+            ids = await self._r.zrevrangebyscore(key, hi, lo, start=position, num=_CHUNK)
+            if not ids:
+                break
+            position += len(ids)
+            raws = await self._r.mget([self._key(_text(x)) for x in ids])
+            for raw in raws:
+                if raw is None:
+                    continue
+                inc = Incident.model_validate(json.loads(raw)["incident"])
+                if tenant is not None and inc.tenant != tenant:
+                    continue
+                if resolution is not None and inc.resolution.value != resolution:
+                    continue
+                matched.append(inc)
+        end = len(matched) if limit is None else offset + limit
+        return matched[offset:end], len(matched) > end

@@ -366,12 +366,16 @@ class Scheduler:
 
     async def job_list(self, body: dict[str, Any]) -> dict[str, Any]:
         query = JobListQuery.model_validate(body)
+        start = int(query.cursor or 0)
+        wanted = start + query.limit + 1  # one more tells whether a next page exists
         items = []
         for job_id in await self.jobs.list_ids():
             view = await self.jobs.view(job_id)
             if view is None or (query.tenant is not None and view["tenant"] != query.tenant):
                 continue
             items.append(view)
+            if len(items) >= wanted:
+                break
         return _page(items, query)
 
     async def job_get(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -387,7 +391,7 @@ class Scheduler:
         if view is None:
             raise NotFound(f"job {query.job_id} is not registered", "job_id")
         events = await self.jobs.timeline(query.job_id)
-        incidents = await self.incidents.query(job_id=query.job_id)
+        incidents, _ = await self.incidents.query(job_id=query.job_id)
         return {
             "job_id": query.job_id,
             "tenant": view["tenant"],
@@ -399,14 +403,20 @@ class Scheduler:
 
     async def incident_list(self, body: dict[str, Any]) -> dict[str, Any]:
         query = IncidentListQuery.model_validate(body)
-        found = await self.incidents.query(
+        start = int(query.cursor or 0)
+        found, more = await self.incidents.query(
             job_id=query.job_id,
             tenant=query.tenant,
             resolution=query.resolution.value if query.resolution else None,
             since=query.since,
             until=query.until,
+            offset=start,
+            limit=query.limit,
         )
-        return _page([i.model_dump(mode="json") for i in found], query)
+        return {
+            "items": [i.model_dump(mode="json") for i in found],
+            "next_cursor": str(start + query.limit) if more else None,
+        }
 
     async def incident_get(self, body: dict[str, Any]) -> dict[str, Any]:
         query = IncidentQuery.model_validate(body)
