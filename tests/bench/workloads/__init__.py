@@ -1,0 +1,1 @@
+"""Training scripts shared by the benchmarks (run as separate processes)."""
