@@ -7,8 +7,8 @@ comm hook does: on this torch, torchft 0.2.0's ``DistributedDataParallel`` dies 
 ``PureDistributedDataParallel``, whose hooks do not wait for their all-reduces, the replicas'
 final states differed from each other after the fault in our run), a ``Manager`` with
 ``min_replica_size=1`` that asks the lighthouse (``TORCHFT_LIGHTHOUSE``) for a quorum every
-step and heals a restarted replica from a peer. The quorum is synchronous so the step index (and so the batch) is known before the
-forward pass.
+step and heals a restarted replica from a peer. The quorum is synchronous so the step index
+(and so the batch) is known before the forward pass.
 """
 
 from __future__ import annotations
