@@ -143,9 +143,13 @@ class SagaRunner:
         await self.store.save(state)
         return state
 
-    def _crash_point(self, point: str) -> None:
-        """Test hook (TORCHRELAY_TEST_CRASH_AT): die like kill -9 at a named point."""
-        if self.crash_at == point:
+    async def _crash_point(self, point: str, state: SagaState) -> None:
+        """Test hook (TORCHRELAY_TEST_CRASH_AT): die like kill -9 at a named point.
+
+        Once per saga and point, so a supervisor that restarts the executor with the same
+        environment sees it finish the saga instead of crashing in a loop.
+        """
+        if self.crash_at == point and await self.store.once(f"crash:{point}:{state.migration_id}"):
             self.log.warning("crashing at %s on purpose (TORCHRELAY_TEST_CRASH_AT)", point)
             os._exit(_CRASH_EXIT)
 
@@ -223,7 +227,7 @@ class SagaRunner:
                 "member_id": lease.slot.member_id,
             },
         )
-        self._crash_point("after_reserve")
+        await self._crash_point("after_reserve", state)
         return moved
 
     async def _spawn(self, state: SagaState, now: datetime) -> SagaState | None:
@@ -309,7 +313,7 @@ class SagaRunner:
             )
             self._again.add(state.migration_id)
             return None
-        self._crash_point("after_publish")
+        await self._crash_point("after_publish", state)
         await self.bus.publish(changed_event(nxt, SOURCE), Subjects.GENERATION_CHANGED)
         return await self._after_publish(state, nxt, now)
 

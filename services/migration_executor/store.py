@@ -108,6 +108,10 @@ class ExecutorStore:
         raw = await self._r.get(f"{self._p}:joblock:{job_id}")
         return None if raw is None else _text(raw)
 
+    async def once(self, marker: str) -> bool:
+        """True the first time ``marker`` is asked for (kept a day)."""
+        return bool(await self._r.set(f"{self._p}:once:{marker}", "1", nx=True, ex=86400))
+
     # ------------------------------------------------------------------ jobs
 
     async def put_job(self, job: JobRegistered) -> None:

@@ -81,7 +81,9 @@ async def test_killed_executor_resumes_the_saga_without_leaking_or_repeating(
             assert current is not None
             assert current[0].generation == (1 if crash_at == "after_reserve" else 2)
 
-            second = executor_process(nats_url, redis_url)
+            # Restarted as a supervisor would: same environment, crash hook included. The
+            # hook fires once per saga, so this one finishes the saga.
+            second = executor_process(nats_url, redis_url, TORCHRELAY_TEST_CRASH_AT=crash_at)
             gen2 = await job.generation(2, timeout=90)
             assert gen2.ranks[1].member_id == f"{job.job_id}-s0"
             await job.resumed(gen2, {f"{job.job_id}-w0": {"stall_ms": 80.0}})

@@ -433,3 +433,50 @@ async def test_drain_event_and_rpc_move_every_rank_on_the_node_at_boundaries(
         with pytest.raises(RpcFailed) as bad:
             await rpc(bus, "drain", {"node": "bad node!"})
         assert bad.value.error.field == "node"
+
+
+async def test_a_crash_after_the_incident_was_stored_is_driven_again_on_redelivery(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+) -> None:
+    """The scheduler stores the incident before it publishes; if it dies in between, the
+    redelivered fault finds the incident and publishes what is missing, once."""
+    import logging
+
+    from services.scheduler import rules
+    from services.scheduler.service import Scheduler
+    from torchrelay.observability import ServiceMetrics
+    from torchrelay.service import ServiceContext
+    from torchrelay.settings import ServiceSettings
+
+    job = SimJob(bus, "c1")
+    async with control_plane(nats_url, redis_url, executor=False):
+        await formed(bus, job)
+    # The scheduler "died" right after storing the incident: replay that state by hand.
+    ctx = ServiceContext(
+        "scheduler",
+        ServiceSettings(nats_url=nats_url, redis_url=redis_url),
+        bus,
+        redis,
+        ServiceMetrics("scheduler"),
+        logging.getLogger("t"),
+    )
+    scheduler = Scheduler(ctx)
+    fault = job.fault(rank=1)
+    placement = next(p for p in await scheduler.jobs.active_placements() if p.rank == 1)
+    incident = rules.open_incident(fault, placement)
+    assert (await scheduler.incidents.open(incident, "c1-w1", {"decision": "migrate_now"}))[
+        0
+    ] == "opened"
+    assert tap.of(MigrationRequested) == []
+    # The redelivery: the incident exists, so it is driven, not opened again.
+    await scheduler.on_fault(fault)
+    await scheduler.on_fault(fault)
+    request = await tap.wait(MigrationRequested, job_id="c1")
+    assert request.incident_id == incident.incident_id
+    await tap.wait(IncidentOpened)
+    assert len(tap.of(MigrationRequested)) == 1  # JetStream dedupes the second publish
+    assert len(tap.of(IncidentOpened)) == 1
