@@ -84,7 +84,7 @@ local hseq = head[1] or '0'
 local hhash = head[2] or '"""
     + GENESIS
     + """'
-if hseq ~= ARGV[3] or hhash ~= ARGV[4] then return {'stale', hseq} end
+if hseq ~= ARGV[3] or hhash ~= ARGV[4] then return {'stale', hseq, hhash} end
 local seq = tonumber(hseq) + 1
 redis.call('RPUSH', KEYS[1], ARGV[5])
 redis.call('HSET', KEYS[2], 'seq', seq, 'hash', ARGV[6])
@@ -206,6 +206,11 @@ class Ledger:
         self.clock = clock
         self._append = redis.register_script(APPEND_LUA)
         self._create = redis.register_script(CREATE_CONTRACT_LUA)
+        # Contracts are immutable once stored, so they are cached for good. Chain heads are
+        # cached optimistically: the append script refuses a stale head and answers the
+        # current one, so a wrong guess costs one retry, never a wrong entry.
+        self._contracts: dict[str, Contract] = {}
+        self._heads: dict[str, tuple[int, str]] = {}
 
     def key(self, *parts: str) -> str:
         """A key under this ledger's prefix."""
@@ -255,10 +260,15 @@ class Ledger:
         Raises:
             ContractNotFound: no such contract.
         """
+        cached = self._contracts.get(contract_id)
+        if cached is not None:
+            return cached
         raw = await self.redis.get(self.key("contract", contract_id))
         if raw is None:
             raise ContractNotFound(f"no contract {contract_id!r}", "contract_id")
-        return Contract.model_validate_json(raw)
+        contract = Contract.model_validate_json(raw)
+        self._contracts[contract_id] = contract
+        return contract
 
     async def list_contracts(
         self, tenant: str | None = None, limit: int = 100, cursor: str | None = None
@@ -328,7 +338,7 @@ class Ledger:
                     "prev_hash": prev,
                 }
             )
-            outcome, value = await self._run(
+            outcome, value, *rest = await self._run(
                 self._keys(chain, incident.incident_id),
                 [
                     "incident",
@@ -349,8 +359,12 @@ class Ledger:
                     incident.incident_id,
                 ],
             )
-            if outcome != "stale":
-                return AppendResult(outcome, chain, int(value), entry_class)
+            if outcome == "stale":
+                seq, prev = int(value), rest[0]
+                continue
+            if outcome == "ok":
+                self._heads[chain] = (int(value), str(entry["hash"]))
+            return AppendResult(outcome, chain, int(value), entry_class)
         raise RuntimeError(f"chain {chain} kept moving during {MAX_APPEND_TRIES} append tries")
 
     async def correct(self, incident: Incident, reason: str) -> AppendResult:
@@ -399,7 +413,7 @@ class Ledger:
                     "prev_hash": prev,
                 }
             )
-            outcome, value = await self._run(
+            outcome, value, *_ = await self._run(
                 self._keys(chain, incident.incident_id),
                 [
                     "correction",
@@ -425,12 +439,13 @@ class Ledger:
                     f"incident {incident.incident_id} is not in the ledger", "incident_id"
                 )
             if outcome != "stale":
+                if outcome == "ok":
+                    self._heads[chain] = (int(value), str(entry["hash"]))
                 return AppendResult(outcome, chain, int(value), entry_class)
         raise RuntimeError(f"chain {chain} kept moving during {MAX_APPEND_TRIES} append tries")
 
-    async def _run(self, keys: list[str], args: list[Any]) -> tuple[str, str]:
-        outcome, value = await self._append(keys=keys, args=args)
-        return _text(outcome), _text(value)
+    async def _run(self, keys: list[str], args: list[Any]) -> list[str]:
+        return [_text(v) for v in await self._append(keys=keys, args=args)]
 
     # ------------------------------------------------------------------ the guarantee
 
@@ -525,7 +540,7 @@ class Ledger:
                 "prevented_failures": final.prevented_failures,
                 "threshold": final.threshold,
             }
-            outcome, value = await self._run(
+            outcome, value, *_ = await self._run(
                 self._keys(contract_id, contract_id=contract_id, credit_id=credit_id),
                 [
                     "close",
@@ -547,6 +562,7 @@ class Ledger:
                 ],
             )
             if outcome == "ok":
+                self._heads[contract_id] = (seq + 1, str(entry["hash"]))
                 return await self._closed_result(contract, closed, True)
             if outcome == "exists":
                 existing = value
