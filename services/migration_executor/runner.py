@@ -71,6 +71,7 @@ class SagaRunner:
         self.lease_s = lease_s
         self.crash_at = crash_at
         self.on_done = on_done
+        self.on_tick: Callable[[int], None] | None = None
         self.writer = GenerationWriter(bus, SOURCE)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
@@ -98,7 +99,10 @@ class SagaRunner:
         """Re-read every unfinished saga periodically: deadlines and retries live here."""
         while True:
             try:
-                for migration_id in await self.store.active():
+                active = await self.store.active()
+                if self.on_tick is not None:
+                    self.on_tick(len(active))
+                for migration_id in active:
                     self.kick(migration_id)
             except Exception:
                 self.log.exception("saga tick failed; retrying")
@@ -113,6 +117,13 @@ class SagaRunner:
                 await t
 
     async def _drive(self, migration_id: str) -> None:
+        try:
+            await self._drive_steps(migration_id)
+        finally:
+            if self._tasks.get(migration_id) is asyncio.current_task():
+                del self._tasks[migration_id]
+
+    async def _drive_steps(self, migration_id: str) -> None:
         while True:
             try:
                 state = await self.store.load(migration_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from torchrelay.bus import Delivery, NotFound, PermanentError, StaleRevision
@@ -109,6 +109,10 @@ class Executor:
             crash_at=settings.test_crash_at,
             on_done=self._observe,
         )
+        active = Gauge(
+            "torchrelay_sagas_active", "Migrations under way", registry=ctx.metrics.registry
+        )
+        self.runner.on_tick = active.set
 
     def _observe(self, state: SagaState) -> None:
         self.migrations.labels(
@@ -129,6 +133,7 @@ class Executor:
         elif isinstance(event, JobFinished):
             await self.store.mark_finished(event.job_id, event.outcome)
             await self.runner.kick_job(event.job_id)
+            await self.store.forget_reports(event.job_id)
         else:
             raise PermanentError(f"migration executor does not handle {type(event).__name__}")
 

@@ -127,6 +127,16 @@ class ExecutorStore:
     async def finished(self, job_id: str) -> bool:
         return bool(await self._r.exists(f"{self._p}:finished:{job_id}"))
 
+    async def forget_reports(self, job_id: str, after_s: int = 3600) -> None:
+        """Let a finished job's agent reports expire (sagas no longer need them)."""
+        keys = [f"{self._p}:joined:{job_id}"]
+        async for key in self._r.scan_iter(match=f"{self._p}:resumed:{job_id}:*", count=500):
+            keys.append(_text(key))
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.expire(key, after_s)
+        await pipe.execute()
+
     async def mark_running(self, job_id: str) -> None:
         await self._r.set(f"{self._p}:running:{job_id}", "1")
 
