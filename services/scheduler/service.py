@@ -16,7 +16,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from torchrelay.bus import Delivery, NotFound, PermanentError
+from torchrelay.bus import BusError, Delivery, NotFound, PermanentError
 from torchrelay.contract import (
     DrainRequested,
     Event,
@@ -281,6 +281,20 @@ class Scheduler:
             action=FaultAction.MIGRATE_AT_BOUNDARY,
             evidence={"requested_by": drain.requested_by, "reason": drain.reason},
         )
+        # The node leaves service first, so no migration off it picks a spare on it; the
+        # operator's "return" (API/CLI) brings its slots back after the maintenance.
+        try:
+            await self.ctx.bus.request(
+                Subjects.rpc("spare_pool", "quarantine"),
+                {
+                    "node": drain.node,
+                    "cluster": drain.cluster,
+                    "reason": f"planned drain: {drain.reason}",
+                },
+                timeout=3.0,
+            )
+        except BusError as exc:  # not_found: no spare there; unreachable: nothing to protect
+            self.ctx.log.info("spare pool did not take %s out: %s", drain.node, exc)
         await self.on_fault(fault)
 
     async def on_completed(self, done: MigrationCompleted) -> None:

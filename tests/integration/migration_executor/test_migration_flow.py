@@ -20,11 +20,13 @@ from torchrelay.contract import (
     IncidentClosed,
     IncidentOpened,
     JobPolicy,
+    Member,
     MigrationCompleted,
     MigrationFailed,
     MigrationMode,
     MigrationRequested,
     Resolution,
+    Role,
     Severity,
     SpareSlot,
     Subjects,
@@ -160,9 +162,13 @@ async def test_drain_moves_every_rank_off_the_node(
         closed = await _closed(tap, "j3", 2)
         assert {c.incident.resolution for c in closed} == {Resolution.MIGRATED_PROACTIVE}
         assert {c.incident.fault_kind for c in closed} == {FaultKind.PLANNED_DRAIN}
-        # A drained slot is healthy, not quarantined: a spare offered there is usable.
+        # The node is out of service for its maintenance (no spare is taken there) until
+        # the operator returns it; the saga itself quarantines nothing for a drain.
         await pool.register(SpareSlot(slot_id="local:local-1:7", node="local-1", gpu=7))
+        assert (await pool.slot("local:local-1:7"))["state"] == "quarantined"
+        await bus.request(Subjects.rpc("spare_pool", "return"), {"node": "local-1"})
         assert (await pool.slot("local:local-1:7"))["state"] == "idle"
+        assert all(q.reason.startswith("planned drain") for q in pool.quarantines())
         assert sorted(f.member_id for f in job.fences) == ["j3-w1", "j3-w3"]
 
 
@@ -399,3 +405,43 @@ async def test_second_failure_during_a_migration_is_not_held_up_by_it(
         assert {c.incident.rank for c in closed} == {1, 3}
         assert {c.incident.stall_ms for c in closed} == {90.0}
         assert await pool.in_state("reserved") == []
+
+
+async def test_drain_never_moves_a_rank_onto_a_spare_of_the_drained_node(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SparePoolView,
+) -> None:
+    job = SimJob(bus, "j12", spares=1, policy=JobPolicy.CHECKPOINT_RESTART)
+    on_drained = Member(member_id="j12-s1", role=Role.SPARE, node="local-1", gpu=5, pid=2100)
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await pool.register(
+            SpareSlot(
+                slot_id="local:local-1:5",
+                node="local-1",
+                gpu=5,
+                state="hot",
+                job_id="j12",
+                member_id="j12-s1",
+            )
+        )
+        await job.joined(on_drained)
+        await bus.request(Subjects.rpc("scheduler", "drain"), {"node": "local-1"})
+        gen2 = await job.generation(2)
+        await job.resumed(gen2)
+        closed = await _closed(tap, "j12", 2)
+        by_rank = {c.incident.rank: c.incident.resolution for c in closed}
+        # One rank went to the spare on local-2; for the other only the drained node's own
+        # spare was left, and it was not used: the job's policy took over.
+        assert sorted(by_rank.values()) == [
+            Resolution.CHECKPOINT_RESTART,
+            Resolution.MIGRATED_PROACTIVE,
+        ]
+        final = (await bus.get_generation("j12"))[0]  # type: ignore[index]
+        assert final.generation == 2
+        assert "j12-s1" not in {a.member_id for a in final.ranks}
+        assert (await pool.slot("local:local-1:5"))["state"] == "quarantined"
