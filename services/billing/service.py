@@ -250,8 +250,38 @@ class BillingService:
         return {"outcome": result.outcome, "chain": result.chain, "seq": result.seq}
 
 
+async def ledger_durability(ctx: ServiceContext) -> str:
+    """Redis' ``appendfsync`` as this service sees it; warns unless it is ``always``.
+
+    An acknowledged ledger entry must survive a crash of Redis (DESIGN.md §8). Managed Redis
+    may refuse CONFIG; then the setting is reported as unknown.
+    """
+    try:
+        raw: dict[Any, Any] = {
+            **(await ctx.redis.config_get("appendfsync")),
+            **(await ctx.redis.config_get("appendonly")),
+        }
+    except Exception:
+        return "unknown (CONFIG GET refused)"
+    config = {_decode(k): _decode(v) for k, v in raw.items()}
+    fsync, appendonly = config.get("appendfsync", "?"), config.get("appendonly", "?")
+    if appendonly != "yes" or fsync != "always":
+        log.warning(
+            "Redis runs with appendonly=%s appendfsync=%s: an acknowledged ledger entry can "
+            "be lost if Redis crashes; run it with --appendonly yes --appendfsync always",
+            appendonly,
+            fsync,
+        )
+    return f"appendonly={appendonly} appendfsync={fsync}"
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 async def setup(ctx: ServiceContext) -> None:
     """Register the billing consumer and RPC verbs on ``ctx``."""
+    ctx.readiness["ledger_durability"] = await ledger_durability(ctx)
     ledger = Ledger(ctx.redis, ctx.prefix)
     service = BillingService(ctx, ledger)
     await ctx.consume("billing", service.on_event)
