@@ -10,7 +10,7 @@ Environment knobs (all optional):
   TR_DIE_ON_JOIN   a member id that SIGKILLs itself right after init() (a spare dying while
                    it joins)
 At the end each rank writes <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of
-its tracked state.
+its tracked state and the perf_counter time of each of its commits.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ x = torch.randn(512, 16, generator=gen)
 y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(512, 1, generator=gen)
 data = TensorDataset(x, y)
 
+commits: list[float] = []
 for step, (xb, yb) in job.batches(data, batch_size=8, max_steps=steps, seed=7):
     if raise_at == f"{job.rank}:{step}":
         raise RuntimeError(f"user code failed at step {step}")
@@ -64,6 +65,7 @@ for step, (xb, yb) in job.batches(data, batch_size=8, max_steps=steps, seed=7):
         time.sleep(pause)
     if job.step(optimizer):
         scheduler.step()
+        commits.append(time.perf_counter())
     optimizer.zero_grad()
 
 digest = job.state_digest()
@@ -76,6 +78,7 @@ out.write_text(
             "digest": digest,
             "committed_step": job.committed_step,
             "generation": job.generation,
+            "commit_times": commits,
         }
     )
 )

@@ -73,9 +73,17 @@ class _Graveyard:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.in_flight = False
 
-    def keep(self, *objects: Any) -> None:
-        """Hold ``objects`` until the process ends, off the training thread."""
+    def keep(self, *objects: Any, in_flight: bool = False) -> None:
+        """Hold ``objects`` until the process ends, off the training thread.
+
+        ``in_flight`` marks a group left with a collective still pending: such a group can
+        abort the process when its peers close their sockets during the interpreter's
+        shutdown, so the agent ends such a process with ``os._exit`` (see ``_job``).
+        """
+        if in_flight:
+            self.in_flight = True
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -152,9 +160,9 @@ class Backend:
     def abandon(self, pg: Any, *pending: Any) -> None:
         """Leave ``pg`` for good without blocking: NCCL is aborted off-thread, gloo kept."""
         if self.name == "nccl" and hasattr(pg, "abort"):
-            GRAVEYARD.keep(pg.abort, pg, *pending)
+            GRAVEYARD.keep(pg.abort, pg, *pending, in_flight=bool(pending))
         else:
-            GRAVEYARD.keep(pg, *pending)
+            GRAVEYARD.keep(pg, *pending, in_flight=bool(pending))
 
 
 def wait_work(work: Any, wakeup: Wakeup, stale: Callable[[], bool]) -> None:

@@ -10,6 +10,7 @@ a step that every rank agrees on through a flag carried in that step's all-reduc
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
@@ -29,6 +30,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from torchrelay.agent._data import StepSampler, dataset_length, make_batch, seed_step
 from torchrelay.agent._group import (
+    GRAVEYARD,
     Abandoned,
     Backend,
     CollectiveError,
@@ -130,6 +132,7 @@ class Job:
         self._step_time: float | None = None
         self._step_started: float | None = None
         self._finished = False
+        self._exit_status = 0
 
         # The rendezvous store every member hosts; a generation names whose one is used.
         self._store = TCPStore(
@@ -658,6 +661,34 @@ class Job:
             _hard_exit(EXIT_APPLICATION_ERROR)
 
         sys.excepthook = _hook
+        previous_exit = sys.exit
+
+        def _exit(status: str | int | None = None) -> NoReturn:
+            self._exit_status = _status_code(status)
+            previous_exit(status)
+
+        sys.exit = _exit
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """End a process that left a group mid-collective without running C++ teardown.
+
+        Such a group's pending operation fails when its peers exit, and gloo raises that
+        error on its own thread; during the interpreter's teardown this aborts the process
+        (SIGABRT), which the launcher would count as a lost worker after a clean finish.
+        """
+        if GRAVEYARD.in_flight:
+            logging.shutdown()
+            _hard_exit(self._exit_status)
+
+
+def _status_code(status: object) -> int:
+    """The process exit code ``sys.exit(status)`` produces."""
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status
+    return 1
 
 
 def _hard_exit(code: int) -> NoReturn:
