@@ -234,6 +234,7 @@ RPC_VERBS: dict[str, tuple[str, ...]] = {
         "credits_list",
         "export",
         "ledger_verify",
+        "ledger_correct",
     ),
 }
 
