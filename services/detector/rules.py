@@ -232,11 +232,21 @@ class CounterWindow:
     def add(self, ts: float, value: float) -> None:
         """Record the counter's value at ``ts`` (a value below the last one is a reset)."""
         pts = self.points
-        if pts and value < pts[-1][1]:
-            pts.clear()  # the driver reset the counter (GPU reset, reload)
-        if not pts or value != pts[-1][1]:
-            pts.append((ts, value))
-        self.last_ts = max(self.last_ts, ts)
+        if ts > self.last_ts:
+            self.last_ts = ts
+        if pts:
+            last = pts[-1][1]
+            if value == last:  # the common case: a steady counter costs no new point
+                if len(pts) > 1:
+                    self._prune()
+                return
+            if value < last:
+                pts.clear()  # the driver reset the counter (GPU reset, reload)
+        pts.append((ts, value))
+        self._prune()
+
+    def _prune(self) -> None:
+        pts = self.points
         horizon = self.last_ts - self.window_s
         while len(pts) >= 2 and pts[1][0] <= horizon:
             pts.popleft()

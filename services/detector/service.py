@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -83,7 +84,7 @@ class DetectorSettings(ServiceSettings):
     detector_breaker_min_nodes: int = Field(default=1, ge=0)
     detector_lemon_threshold: float = Field(default=3.0, gt=0)
     detector_sweep_interval_s: float = Field(default=0.25, gt=0)
-    detector_inventory_interval_s: float = Field(default=2.0, gt=0)
+    detector_inventory_interval_s: float = Field(default=5.0, gt=0)
     detector_replica_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_\-]+$")
 
     def rules(self) -> DetectorConfig:
@@ -140,6 +141,7 @@ class Detector:
         self.latest: dict[tuple[str, str], dict[int, TelemetrySample]] = {}
         self.dirty: set[tuple[str, str]] = set()
         self.activity: dict[str, JobActivity] = {}
+        self.inflight: set[asyncio.Future[None]] = set()
         self.recent_loss: dict[str, float] = {}  # job -> when one of its members was lost
         reg = ctx.metrics.registry
         self.m_samples = Counter(
@@ -189,6 +191,7 @@ class Detector:
         ctx.spawn(self._membership_loop(), "detector-membership")
         ctx.spawn(self._sweep_loop(), "detector-sweep")
         ctx.spawn(self._inventory_loop(), "detector-inventory")
+        ctx.closers.append(self.drain)
         ctx.closers.append(self.membership.leave)
         ctx.readiness["replica"] = rid
 
@@ -267,22 +270,45 @@ class Detector:
                 latest[s.gpu] = s
         self.dirty.add(node_key)
         if is_new:
-            await self._flush_inventory()  # a new node counts for the breaker at once
+            await self._flush_inventory({node_key})  # a new node counts for the breaker now
         for s in samples:
             key = (s.cluster, s.node, s.gpu)
             w = self.gpus.get(key)
             if w is None:
                 w = self.gpus[key] = GpuWindows(self.cfg)
             for f in evaluate_sample(w, s, self.cfg):
-                await self._gpu_finding(s, f.kind, f.signal, f.evidence)
+                ep_key = self.episodes.key(s.cluster, s.node, s.gpu, f.kind.value)
+                if not self.episodes.settled(ep_key, s.ts.timestamp()):
+                    # Off the telemetry path: Redis and JetStream round trips must not hold
+                    # up the next batch (and its faults) behind this one.
+                    self._spawn(self._gpu_finding(s, f.kind, f.signal, f.evidence, ep_key))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.inflight.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Future[None]) -> None:
+        self.inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("fault pipeline failed: %r", task.exception())
+
+    async def drain(self) -> None:
+        """Wait for the faults being published (shutdown, tests)."""
+        while self.inflight:
+            await asyncio.gather(*list(self.inflight), return_exceptions=True)
 
     async def _gpu_finding(
-        self, s: TelemetrySample, kind: FaultKind, signal: str, evidence: dict[str, Any]
+        self,
+        s: TelemetrySample,
+        kind: FaultKind,
+        signal: str,
+        evidence: dict[str, Any],
+        key: str,
     ) -> None:
         at = s.ts.timestamp()
-        key = self.episodes.key(s.cluster, s.node, s.gpu, kind.value)
         new, number, first = await self.episodes.open(
-            key, at, node_index=self.nodes.episodes_key(s.cluster, s.node)
+            key, at, node_index=self.nodes.episodes_key(s.cluster, s.node), check_local=False
         )
         if not new:
             return
@@ -407,8 +433,11 @@ class Detector:
             except Exception as exc:
                 self.log.warning("inventory flush failed: %r", exc)
 
-    async def _flush_inventory(self) -> None:
-        dirty, self.dirty = self.dirty, set()
+    async def _flush_inventory(self, only: set[tuple[str, str]] | None = None) -> None:
+        if only is None:
+            dirty, self.dirty = self.dirty, set()
+        else:
+            dirty = only
         by_cluster: dict[str, dict[str, dict[str, Any]]] = {}
         now = time.time()
         for cluster, node in dirty:
@@ -422,7 +451,7 @@ class Detector:
                         "model": s.gpu_model,
                         "temperature_c": s.temperature_c,
                         "power_w": s.power_w,
-                        "sample_ts": s.ts.isoformat(),
+                        "sample_ts": round(s.ts.timestamp(), 3),
                         **(
                             {"slow_factor": s.extra["slow_factor"]}
                             if "slow_factor" in s.extra

@@ -106,18 +106,50 @@ class EpisodeStore:
         self._cfg = cfg
         self._script = redis.register_script(_EPISODE_LUA)
         self._local: dict[str, tuple[Episode, float]] = {}
+        self._pending: set[str] = set()
 
     def key(self, *parts: object) -> str:
         """The Redis key of an episode."""
         return f"{self._prefix}:ep:" + ":".join(str(p) for p in parts)
 
-    async def open(
-        self, key: str, at: float, quiet_s: float | None = None, node_index: str | None = None
-    ) -> tuple[bool, int, float]:
-        """Record a finding at ``at``: (opened a new episode?, its number, its first time)."""
+    def settled(self, key: str, at: float, quiet_s: float | None = None) -> bool:
+        """Whether a finding at ``at`` is known, without Redis, to extend an open episode.
+
+        When it is not, the key is marked pending until :meth:`open` runs for it, so that a
+        burst of the same finding makes one round trip, not one per sample.
+        """
+        if key in self._pending:
+            return True
         quiet = self._cfg.episode_quiet_s if quiet_s is None else quiet_s
         cached = self._local.get(key)
         if cached is not None:
+            ep, told = cached
+            if not episode_step(ep, at, quiet) and at - told < quiet / 4:
+                return True
+        self._pending.add(key)
+        return False
+
+    async def open(
+        self,
+        key: str,
+        at: float,
+        quiet_s: float | None = None,
+        node_index: str | None = None,
+        *,
+        check_local: bool = True,
+    ) -> tuple[bool, int, float]:
+        """Record a finding at ``at``: (opened a new episode?, its number, its first time)."""
+        quiet = self._cfg.episode_quiet_s if quiet_s is None else quiet_s
+        try:
+            return await self._open(key, at, quiet, node_index, check_local)
+        finally:
+            self._pending.discard(key)
+
+    async def _open(
+        self, key: str, at: float, quiet: float, node_index: str | None, check_local: bool
+    ) -> tuple[bool, int, float]:
+        cached = self._local.get(key)
+        if check_local and cached is not None:
             ep, told = cached
             extended = not episode_step(ep, at, quiet)
             if extended and at - told < quiet / 4:

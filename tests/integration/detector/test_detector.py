@@ -72,6 +72,8 @@ async def test_xid_79_yields_exactly_one_fault_within_a_second(
         # A marker fault on another GPU: once it is here, every sample above was evaluated.
         await send(bus, "local-0", [sample("local-0", 0, xid=119)], critical=True)
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
+        await det.drain()  # every fault still being published is out...
+        await bus.nc.flush()  # ...and has reached this connection
 
     lost = [f for f in faults.items if f.kind == FaultKind.GPU_LOST]
     assert len(lost) == 1
@@ -113,6 +115,8 @@ async def test_a_thousand_samples_of_one_thermal_slowdown_are_one_fault(
             await send(bus, "local-1", samples[start : start + 50])
         await send(bus, "local-1", [sample("local-1", 1, xid=119)], critical=True)
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
+        await det.drain()
+        await bus.nc.flush()
         assert det.m_samples._value.get() >= 1000  # every thermal sample was evaluated
     thermal = [f for f in faults.items if f.kind == FaultKind.THERMAL_SLOWDOWN]
     assert len(thermal) == 1
@@ -373,6 +377,9 @@ async def test_two_replicas_share_telemetry_and_agree_on_episodes(
         for node in nodes:
             await send(bus, node, [sample(node, 1, xid=119)], critical=True)
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG), count=len(nodes))
+        await a.drain()
+        await b.drain()
+        await bus.nc.flush()
         forwarded = (
             a.m_forwarded.labels("tel")._value.get() + b.m_forwarded.labels("tel")._value.get()
         )

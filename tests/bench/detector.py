@@ -1,0 +1,366 @@
+"""Detector benchmark: telemetry samples per second one replica sustains, and fault latency.
+
+The detector runs as its own process (``python -m services.detector``, one asyncio loop:
+one core) against a real ``nats-server`` and ``redis-server``. This process plays 2,000
+node agents of 8 GPUs each (one batch per node, as an agent publishes it).
+
+1. capacity: telemetry is paced at rising rates (x1.25 per 3 s step); the highest rate after
+   which the detector has evaluated everything within a second (its own counter,
+   ``detector_samples_total`` on ``/metrics``) is what it sustains. The detector's CPU time
+   (``/proc``) gives samples per CPU-second: what one core sustains even when the machine is
+   shared (the wall-clock figure drops with the machine's load, which is printed).
+2. latency at load: telemetry is paced at 90% of the sustained rate while an XID 79 is injected
+   every 50 ms on a GPU not seen before; latency = arrival of its ``FaultDetected`` at a
+   subscriber minus the XID sample's timestamp (same clock), p50 and p99.
+3. rules only: the same batches decoded and evaluated in-process without NATS (the ceiling
+   of the pure rules path on this CPU).
+
+Target (issue 4): 20,000 samples/s per core, p99 under 100 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.detector.rules import DetectorConfig, GpuWindows, evaluate_sample
+from torchrelay.bus import Bus
+from torchrelay.contract import FaultDetected, Subjects, TelemetryBatch, TelemetrySample
+from torchrelay.runtime import free_port, nats_server, redis_server
+
+NODES = 2000
+GPUS = 8
+CLUSTER = "bench"
+STEP_S = 3.0
+MAX_RATE = 200_000.0
+LATENCY_S = 8.0
+PROBE_EVERY_S = 0.05
+TARGET_SAMPLES_PER_S = 20_000
+TARGET_P99_MS = 100.0
+
+
+def _sample(node: str, gpu: int, ts: float, **fields: Any) -> TelemetrySample:
+    return TelemetrySample(
+        cluster=CLUSTER,
+        node=node,
+        gpu=gpu,
+        backend="sim",
+        ts=datetime.fromtimestamp(ts, UTC),
+        gpu_model="H100",
+        temperature_c=60.0 + gpu,
+        temp_slowdown_c=87.0,
+        temp_shutdown_c=92.0,
+        memory_temperature_c=65.0,
+        power_w=420.0,
+        power_limit_w=700.0,
+        ecc_volatile_corrected=3,
+        ecc_volatile_uncorrected=0,
+        ecc_aggregate_corrected=40,
+        ecc_aggregate_uncorrected=0,
+        remapped_rows_correctable=1,
+        remapped_rows_uncorrectable=0,
+        remap_pending=False,
+        remap_failure=False,
+        clock_event_reasons=0,
+        hw_slowdown=False,
+        hw_thermal_slowdown=False,
+        nvlink_crc_errors=7,
+        nvlink_replay_errors=0,
+        nvlink_recovery_errors=0,
+        nvlink_down_links=0,
+        pcie_replay_count=2,
+        recovery_action=0,
+        **fields,
+    )
+
+
+def _batch(
+    node: str, ts: float, *, critical: bool = False, samples: list[TelemetrySample] | None = None
+) -> bytes:
+    return (
+        TelemetryBatch(
+            event_id=f"b-{node}-{ts}",
+            source=f"agent:{node}",
+            cluster=CLUSTER,
+            node=node,
+            critical=critical,
+            samples=samples if samples is not None else [_sample(node, g, ts) for g in range(GPUS)],
+        )
+        .model_dump_json()
+        .encode()
+    )
+
+
+def _nodes() -> list[str]:
+    return [f"n{i}" for i in range(NODES)]
+
+
+def _rules_only(batches: list[bytes], seconds: float = 2.0) -> float:
+    cfg = DetectorConfig()
+    windows: dict[tuple[str, int], GpuWindows] = {}
+    done = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for raw in batches[:500]:
+            batch = TelemetryBatch.model_validate_json(raw)
+            for s in batch.samples:
+                w = windows.get((s.node, s.gpu))
+                if w is None:
+                    w = windows[(s.node, s.gpu)] = GpuWindows(cfg)
+                evaluate_sample(w, s, cfg)
+            done += len(batch.samples)
+    return done / (time.perf_counter() - start)
+
+
+async def _samples_total(client: httpx.AsyncClient, port: int) -> float:
+    text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    m = re.search(r"^detector_samples_total ([0-9.e+]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+async def _wait_ready(
+    client: httpx.AsyncClient, port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"detector exited with {proc.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if (await client.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200:
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError("detector did not become ready within 60 s")
+
+
+async def _drain(client: httpx.AsyncClient, port: int) -> float:
+    """Wait until the detector's counter stops moving (its backlog is done)."""
+    last = -1.0
+    while True:
+        now = await _samples_total(client, port)
+        if now == last:
+            return now
+        last = now
+        await asyncio.sleep(0.5)
+
+
+async def _paced(bus: Bus, rate_samples_s: float, seconds: float) -> int:
+    """Publish the node batches at ``rate_samples_s`` for ``seconds``; returns samples sent."""
+    msgs_per_s = rate_samples_s / GPUS
+    start = time.monotonic()
+    sent = 0
+    while (elapsed := time.monotonic() - start) < seconds:
+        due = int(elapsed * msgs_per_s)
+        while sent < due:
+            k = sent % NODES
+            await bus.nc.publish(_SUBJECTS[k], _BATCHES[k])
+            sent += 1
+        await bus.nc.flush()
+        await asyncio.sleep(0.002)
+    return sent * GPUS
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _sustains(
+    bus: Bus, client: httpx.AsyncClient, port: int, pid: int, rate: float
+) -> tuple[bool, float, float]:
+    """Whether the detector evaluates ``rate`` samples/s without falling behind.
+
+    It keeps up when, one second after a paced step ends, it has evaluated everything sent.
+    Also returns the samples it evaluated and the CPU seconds it used meanwhile.
+    """
+    before, cpu0 = await _samples_total(client, port), _cpu_s(pid)
+    sent = await _paced(bus, rate, STEP_S)
+    deadline = time.monotonic() + 1.0
+    ok = False
+    while time.monotonic() < deadline:
+        if await _samples_total(client, port) - before >= sent:
+            ok = True
+            break
+        await asyncio.sleep(0.1)
+    if not ok:
+        await _drain(client, port)
+    return ok, await _samples_total(client, port) - before, _cpu_s(pid) - cpu0
+
+
+async def _capacity(
+    bus: Bus, client: httpx.AsyncClient, port: int, pid: int
+) -> tuple[float, float]:
+    """The highest paced rate (steps of x1.25) the detector keeps up with, and its samples per
+    CPU-second over all steps (what one core sustains, whatever else runs on the machine)."""
+    for k in range(NODES):  # warm-up: every node and GPU known (a new node costs a write)
+        await bus.nc.publish(_SUBJECTS[k], _BATCHES[k])
+        if k % 50 == 0:
+            await bus.nc.flush()
+    await bus.nc.flush()
+    await _drain(client, port)
+    best = 0.0
+    rate = 4000.0
+    done = cpu = 0.0
+    while rate <= MAX_RATE:
+        ok, evaluated, used = await _sustains(bus, client, port, pid, rate)
+        done += evaluated
+        cpu += used
+        print(
+            f"  paced {rate:>8.0f} samples/s: {'kept up' if ok else 'fell behind'} "
+            f"({evaluated / max(used, 1e-9):,.0f} samples per CPU-second)"
+        )
+        if not ok:
+            break
+        best = rate
+        rate *= 1.25
+    return best, done / max(cpu, 1e-9)
+
+
+async def _latency_at(bus: Bus, rate_samples_s: float) -> tuple[list[float], float]:
+    arrivals: dict[tuple[str, int], float] = {}
+
+    async def on_fault(msg: Any) -> None:
+        f = FaultDetected.model_validate_json(msg.data)
+        if f.gpu is not None and f.gpu >= GPUS:
+            arrivals[(f.node, f.gpu)] = time.time()
+
+    await bus.subscribe_core(Subjects.FAULT_DETECTED, on_fault)
+    msgs_per_s = rate_samples_s / GPUS
+    sent_at: dict[tuple[str, int], float] = {}
+    start = time.monotonic()
+    next_probe = start
+    probe = 0
+    sent = 0
+    while (elapsed := time.monotonic() - start) < LATENCY_S:
+        due = int(elapsed * msgs_per_s)
+        ts = time.time()
+        while sent < due:
+            k = sent % NODES
+            await bus.nc.publish(_SUBJECTS[k], _BATCHES[k])
+            sent += 1
+        if time.monotonic() >= next_probe:
+            node, gpu = f"n{probe % NODES}", GPUS + probe // NODES
+            at = time.time()
+            sent_at[(node, gpu)] = at
+            await bus.nc.publish(
+                Subjects.telemetry(CLUSTER, node),
+                _batch(node, at, critical=True, samples=[_sample(node, gpu, at, xid=79)]),
+            )
+            probe += 1
+            next_probe += PROBE_EVERY_S
+        await bus.nc.flush()
+        await asyncio.sleep(max(0.0, 0.005 - (time.time() - ts)))
+    achieved = sent * GPUS / (time.monotonic() - start)
+    deadline = time.monotonic() + 10
+    while len(arrivals) < len(sent_at) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    lat = [arrivals[k] - sent_at[k] for k in sent_at if k in arrivals]
+    if len(lat) < len(sent_at):
+        print(f"  {len(sent_at) - len(lat)} of {len(sent_at)} probe faults never arrived")
+    return lat, achieved
+
+
+_BATCHES: list[bytes] = []
+_SUBJECTS: list[str] = []
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+async def _main() -> dict[str, Any]:
+    now = time.time()
+    _BATCHES[:] = [_batch(n, now) for n in _nodes()]
+    _SUBJECTS[:] = [Subjects.telemetry(CLUSTER, n) for n in _nodes()]
+    rules_only = _rules_only(_BATCHES)
+    with tempfile.TemporaryDirectory(prefix="tr-bench-detector-") as tmp:
+        nats = nats_server(Path(tmp) / "nats")
+        redis = redis_server(Path(tmp) / "redis")
+        nats.start()
+        redis.start()
+        port = free_port()
+        env = {
+            **os.environ,
+            "NATS_URL": nats.url,
+            "REDIS_URL": redis.url,
+            "TORCHRELAY_HTTP_PORT": str(port),
+            "TORCHRELAY_LOG_LEVEL": "ERROR",
+            "TORCHRELAY_ENVIRONMENT": "test",
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.detector"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        bus = await Bus.connect(nats.url, "bench-detector")
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                await _wait_ready(client, port, proc)
+                capacity, per_core = await _capacity(bus, client, port, proc.pid)
+                load = 0.9 * capacity if capacity else 2000.0
+                latencies, achieved = await _latency_at(bus, load)
+        finally:
+            await bus.close()
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            nats.stop()
+            redis.stop()
+    return {
+        "samples_per_s": round(capacity),
+        "samples_per_cpu_s": round(per_core),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "rules_only_samples_per_s": round(rules_only),
+        "latency_load_samples_per_s": round(achieved),
+        "fault_latency_p50_ms": round(_pct(latencies, 0.50) * 1000, 2) if latencies else None,
+        "fault_latency_p99_ms": round(_pct(latencies, 0.99) * 1000, 2) if latencies else None,
+        "faults_measured": len(latencies),
+        "nodes": NODES,
+        "gpus_per_node": GPUS,
+        "cpus": os.cpu_count(),
+        "target_samples_per_s": TARGET_SAMPLES_PER_S,
+        "target_p99_ms": TARGET_P99_MS,
+    }
+
+
+def run() -> dict[str, Any]:
+    """Measure, print a small table, and return the figures."""
+    result = asyncio.run(_main())
+    print("detector benchmark (one replica, one process)")
+    print(
+        f"  {'samples/s sustained (NATS -> rules)':<42}{result['samples_per_s']:>10}"
+        f"   target {TARGET_SAMPLES_PER_S}"
+    )
+    print(
+        f"  {'samples/s rules only (decode+evaluate)':<42}{result['rules_only_samples_per_s']:>10}"
+    )
+    print(
+        f"  {'load during latency phase (samples/s)':<42}{result['latency_load_samples_per_s']:>10}"
+    )
+    print(f"  {'fault latency p50 (ms)':<42}{result['fault_latency_p50_ms']!s:>10}")
+    print(
+        f"  {'fault latency p99 (ms)':<42}{result['fault_latency_p99_ms']!s:>10}"
+        f"   target < {TARGET_P99_MS:g}"
+    )
+    print(f"  {'faults measured':<42}{result['faults_measured']:>10}")
+    print(f"  {'machine load average (1 min)':<42}{result['load_average_1m']:>10}")
+    return result
+
+
+if __name__ == "__main__":
+    run()
