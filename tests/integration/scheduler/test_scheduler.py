@@ -210,6 +210,7 @@ async def test_one_incident_per_fault_folds_duplicates_and_closes_on_completion(
         assert await wait_until(folded, what="the GPU fault folded") == [
             {"fault_id": gpu.fault_id, "kind": "gpu_lost"}
         ]
+        await tap.wait(IncidentOpened)
         assert len(tap.of(MigrationRequested)) == 1
         assert len(tap.of(IncidentOpened)) == 1
 
@@ -395,6 +396,8 @@ async def test_fault_of_a_replaced_member_opens_nothing(
         await bus.publish(job.fault(rank=3), Subjects.FAULT_DETECTED)
         marker = await tap.wait(MigrationRequested, job_id="f4")
         assert marker.rank == 3
+        opened = await tap.wait(IncidentOpened)  # published right after the request
+        assert opened.incident.rank == 3
         assert len(tap.of(IncidentOpened)) == 1
 
 
