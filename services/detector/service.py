@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import deque
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import Any
@@ -69,6 +70,9 @@ QUEUE_GROUP = "detector"
 FORWARD_PREFIX = "tr.int.detector"
 FORWARD_SUBJECT_HEADER = "Tr-Subject"
 INVENTORY_SILENT_S = 30.0
+MAX_QUEUED_BATCHES = 50_000
+_CRITICAL = b'"critical":true'
+_CRITICAL_SPACED = b'"critical": true'
 
 
 class DetectorSettings(ServiceSettings):
@@ -142,6 +146,10 @@ class Detector:
         self.dirty: set[tuple[str, str]] = set()
         self.activity: dict[str, JobActivity] = {}
         self.inflight: set[asyncio.Future[None]] = set()
+        self._critical: deque[tuple[str, bytes, dict[str, str]]] = deque()
+        self._routine: deque[tuple[str, bytes, dict[str, str]]] = deque()
+        self._work = asyncio.Event()
+        self._busy = False
         self.recent_loss: dict[str, float] = {}  # job -> when one of its members was lost
         reg = ctx.metrics.registry
         self.m_samples = Counter(
@@ -153,6 +161,11 @@ class Detector:
         self.m_breaker = Counter(
             "detector_breaker_refusals_total",
             "Node health changes refused by the circuit breaker",
+            registry=reg,
+        )
+        self.m_dropped = Counter(
+            "detector_telemetry_dropped_total",
+            "Routine telemetry batches dropped because the backlog was full",
             registry=reg,
         )
         self.m_forwarded = Counter(
@@ -189,6 +202,7 @@ class Detector:
         ):
             await ctx.serve(verb, handler)
         ctx.spawn(self._membership_loop(), "detector-membership")
+        ctx.spawn(self._telemetry_worker(), "detector-telemetry")
         ctx.spawn(self._sweep_loop(), "detector-sweep")
         ctx.spawn(self._inventory_loop(), "detector-inventory")
         ctx.closers.append(self.drain)
@@ -221,7 +235,41 @@ class Detector:
         # The subject names the node: every batch of a node goes to the node's owner.
         if await self._route(msg, msg.subject, "tel"):
             return
-        await self.handle_telemetry(msg.subject, msg.data, dict(msg.headers or {}))
+        self._enqueue(msg.subject, msg.data, msg.headers)
+
+    def _enqueue(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+        """Queue a batch for the telemetry worker; critical batches (XIDs) jump the queue.
+
+        Telemetry is loss-tolerant (core NATS): when the backlog is full the oldest routine
+        batch is dropped and counted, never a critical one.
+        """
+        item = (subject, data, headers or {})
+        if _CRITICAL in data or _CRITICAL_SPACED in data:
+            self._critical.append(item)
+        else:
+            if len(self._routine) >= MAX_QUEUED_BATCHES:
+                self._routine.popleft()
+                self.m_dropped.inc()
+            self._routine.append(item)
+        self._work.set()
+
+    async def _telemetry_worker(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            done = 0
+            while self._critical or self._routine:
+                item = self._critical.popleft() if self._critical else self._routine.popleft()
+                self._busy = True
+                try:
+                    await self.handle_telemetry(*item)
+                except Exception:
+                    self.log.exception("telemetry batch on %s failed", item[0])
+                finally:
+                    self._busy = False
+                done += 1
+                if done % 16 == 0:
+                    await asyncio.sleep(0)  # let the subscriptions queue (critical ones first)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         # One owner per job: the straggler and hang rules need all of its ranks.
@@ -233,7 +281,7 @@ class Detector:
         headers = dict(msg.headers or {})
         subject = headers.pop(FORWARD_SUBJECT_HEADER, msg.subject)
         if msg.subject.endswith(".tel"):
-            await self.handle_telemetry(subject, msg.data, headers)
+            self._enqueue(subject, msg.data, headers)
         elif msg.subject.endswith(".hb"):
             await self.handle_heartbeat(subject, msg.data, headers)
 
@@ -262,15 +310,17 @@ class Detector:
         samples = [s for s in batch.samples if s.node == batch.node and s.cluster == batch.cluster]
         self.m_samples.inc(len(samples))
         latest = self.latest.get(node_key)
-        is_new = latest is None
+        changed = latest is None
         if latest is None:
             latest = self.latest[node_key] = {}
         if not batch.critical:
             for s in samples:
+                changed = changed or s.gpu not in latest
                 latest[s.gpu] = s
         self.dirty.add(node_key)
-        if is_new:
-            await self._flush_inventory({node_key})  # a new node counts for the breaker now
+        if changed:
+            # A new node (or GPU) is in the inventory at once: it counts for the breaker.
+            await self._flush_inventory({node_key})
         for s in samples:
             key = (s.cluster, s.node, s.gpu)
             w = self.gpus.get(key)
@@ -294,9 +344,12 @@ class Detector:
             self.log.error("fault pipeline failed: %r", task.exception())
 
     async def drain(self) -> None:
-        """Wait for the faults being published (shutdown, tests)."""
-        while self.inflight:
-            await asyncio.gather(*list(self.inflight), return_exceptions=True)
+        """Wait for queued telemetry and the faults being published (shutdown, tests)."""
+        while self._critical or self._routine or self._busy or self.inflight:
+            if self.inflight:
+                await asyncio.gather(*list(self.inflight), return_exceptions=True)
+            else:
+                await asyncio.sleep(0.005)
 
     async def _gpu_finding(
         self,
@@ -307,13 +360,16 @@ class Detector:
         key: str,
     ) -> None:
         at = s.ts.timestamp()
-        new, number, first = await self.episodes.open(
-            key, at, node_index=self.nodes.episodes_key(s.cluster, s.node), check_local=False
+        # Who holds the slot is looked up alongside the episode: one round trip less.
+        (new, number, first), holder = await asyncio.gather(
+            self.episodes.open(
+                key, at, node_index=self.nodes.episodes_key(s.cluster, s.node), check_local=False
+            ),
+            self.jobs.slot_holder(s.cluster, s.node, s.gpu),
         )
         if not new:
             return
         d = decide(kind, number, self.cfg)
-        holder = await self.jobs.slot_holder(s.cluster, s.node, s.gpu)
         fault_id = make_event_id("fault", s.cluster, s.node, s.gpu, kind.value, number)
         ev: dict[str, Any] = {
             "signal": signal,

@@ -69,8 +69,9 @@ async def test_xid_79_yields_exactly_one_fault_within_a_second(
                 "local-0",
                 [sample("local-0", 0), sample("local-0", 1, ts=xid_at + 0.05 * i, gpu_lost=True)],
             )
-        # A marker fault on another GPU: once it is here, every sample above was evaluated.
-        await send(bus, "local-0", [sample("local-0", 0, xid=119)], critical=True)
+        # A marker fault on another GPU in a routine batch (critical ones jump the queue):
+        # once it is here, every sample above was evaluated.
+        await send(bus, "local-0", [sample("local-0", 0, xid=119)])
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
         await det.drain()  # every fault still being published is out...
         await bus.nc.flush()  # ...and has reached this connection
@@ -113,7 +114,7 @@ async def test_a_thousand_samples_of_one_thermal_slowdown_are_one_fault(
         ]
         for start in range(0, 1000, 50):
             await send(bus, "local-1", samples[start : start + 50])
-        await send(bus, "local-1", [sample("local-1", 1, xid=119)], critical=True)
+        await send(bus, "local-1", [sample("local-1", 1, xid=119)])  # routine: after the rest
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
         await det.drain()
         await bus.nc.flush()
@@ -375,7 +376,7 @@ async def test_two_replicas_share_telemetry_and_agree_on_episodes(
                 await send(bus, node, [sample(node, 0, ts=t + 0.1 * i, gpu_lost=True)])
         await faults.wait_for(is_kind(FaultKind.GPU_LOST), count=len(nodes))
         for node in nodes:
-            await send(bus, node, [sample(node, 1, xid=119)], critical=True)
+            await send(bus, node, [sample(node, 1, xid=119)])
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG), count=len(nodes))
         await a.drain()
         await b.drain()
