@@ -185,3 +185,31 @@ def test_load_backend_imports_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     b.close()
     b.close()
     assert mod.state["shutdown"] == 1  # type: ignore[attr-defined]
+
+
+def test_the_gpu_script_prints_every_signal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tests/gpu/read_nvml.py, run here against the stand-in (on a GPU machine: the real one)."""
+    import importlib.util
+    from pathlib import Path
+
+    fakes = [make_gpu(0), make_gpu(1)]
+    fakes[1].errors["nvmlDeviceGetTemperature"] = real.NVMLError_NotSupported
+    mod = make_module(fakes)
+    mod.events.queue.append((fakes[0], real.nvmlEventTypeXidCriticalError, 79))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    path = Path(__file__).resolve().parents[2] / "gpu" / "read_nvml.py"
+    spec = importlib.util.spec_from_file_location("read_nvml", path)
+    assert spec is not None
+    assert spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--events", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 1: NVIDIA H100 80GB HBM3" in out
+    assert "pcie_replay_count" in out
+    assert "extra.ecc_agg_corr_dram" in out
+    unsupported = [line for line in out.splitlines() if "not supported here" in line]
+    assert "temp" in unsupported[-1].split(": ", 1)[1].split(", ")  # GPU 1's temperature
+    assert '"xid":79' in out
