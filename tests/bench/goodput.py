@@ -455,6 +455,11 @@ def run() -> dict[str, Any]:
     measured = measured_relay_stall()
     if measured is not None:
         costs = replace(costs, relay_stall_s=measured[0], relay_stall_source=measured[1])
+    else:
+        costs = replace(
+            costs,
+            relay_stall_source=f"ASSUMPTION: no measurement in {RESULTS_DIR / 'migration.json'}",
+        )
     projection = {
         str(g): {
             "mttf_h": mttf_s(g) / HOUR_S,

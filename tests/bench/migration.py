@@ -172,6 +172,8 @@ def run_checkpoint_restart(work: Path, fault: bool) -> tuple[float, Path, dict[s
 
 def run_torchft(work: Path, fault: bool) -> tuple[float, Path, dict[str, Any]]:
     """Four torchft replica groups and a lighthouse; the killed replica restarts at once."""
+    # torchft's Rust side logs every quorum at INFO; keep the bench's output readable.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         from torchft.coordination import LighthouseServer  # type: ignore[import-untyped]
     except ImportError as exc:
@@ -298,10 +300,22 @@ class RelayStack:
         )
 
 
-def run_torchrelay(work: Path, fault: bool, stack_dir: Path) -> tuple[float, Path, dict[str, Any]]:
-    """``torchrelay run --nproc 4 --spares 1`` against the running stack."""
+def run_torchrelay(work: Path, fault: bool) -> tuple[float, Path, dict[str, Any]]:
+    """``torchrelay run --nproc 4 --spares 1`` against a stack of its own.
+
+    Each run gets a fresh stack (as each torchft run gets a fresh lighthouse), so that what the
+    control plane does after the fault-free job ends cannot touch the faulty run.
+    """
     log_dir = work / "log"
     log_dir.mkdir(parents=True)
+    stack_dir = work / "stack"
+    with RelayStack(stack_dir):
+        return _relay_job(work, log_dir, fault, stack_dir)
+
+
+def _relay_job(
+    work: Path, log_dir: Path, fault: bool, stack_dir: Path
+) -> tuple[float, Path, dict[str, Any]]:
     env = _env(log_dir, fault)
     env["TORCHRELAY_HOME"] = str(stack_dir)
     env.pop("NATS_URL", None)
@@ -381,12 +395,8 @@ def run() -> dict[str, Any]:
         if missing:
             errors["torchrelay"] = "not available yet: " + "; ".join(missing)
         else:
-            stack_dir = root / "stack"
             try:
-                with RelayStack(stack_dir):
-                    systems["torchrelay"] = _measure(
-                        "torchrelay", lambda w, f: run_torchrelay(w, f, stack_dir), root
-                    )
+                systems["torchrelay"] = _measure("torchrelay", run_torchrelay, root)
             except Exception as exc:
                 errors["torchrelay"] = f"{type(exc).__name__}: {exc}"
         for name, runner in (
