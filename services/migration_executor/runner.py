@@ -292,15 +292,14 @@ class SagaRunner:
                     f"rank {state.rank} is held by {holder}, not {state.holder_member}",
                 )
             )
-        joined = await self.store.joined(state.job_id)
-        addrs = {m: r.store_addr for m, r in joined.items() if r.store_addr}
-        spare_report = joined.get(state.spare_member)
+        # Only the new store host's address is needed: the lowest rank that stays, or the
+        # spare in a world of one (reading every member's report would not scale).
+        stays = [a for a in sorted(current.ranks, key=lambda a: a.rank) if a.rank != state.rank]
+        wanted = [stays[0].member_id] if stays else []
+        addrs = await self.store.store_addrs(state.job_id, [*wanted, state.spare_member])
         slot = state.lease.slot
         candidate = Candidate(
-            state.spare_member,
-            slot.node,
-            slot.gpu,
-            spare_report.store_addr if spare_report else None,
+            state.spare_member, slot.node, slot.gpu, addrs.get(state.spare_member)
         )
         try:
             nxt = replace_rank(
@@ -506,8 +505,8 @@ class SagaRunner:
         if _written_by(current, state, None):
             await self.bus.publish(changed_event(current, SOURCE), Subjects.GENERATION_CHANGED)
             return await self._save(saga.shrunk(state, current, now))
-        joined = await self.store.joined(state.job_id)
-        addrs = {m: r.store_addr for m, r in joined.items() if r.store_addr}
+        stays = [a for a in sorted(current.ranks, key=lambda a: a.rank) if a.rank != state.rank]
+        addrs = await self.store.store_addrs(state.job_id, [a.member_id for a in stays[:1]])
         try:
             nxt = saga.shrink_generation(
                 current,

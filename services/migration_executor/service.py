@@ -180,6 +180,8 @@ class Executor:
         bus = self.ctx.bus
         existing = await bus.get_generation(job_id)
         if existing is None:
+            if await self.store.workers_joined(job_id) < job.world_size:
+                return  # not yet: reading every report on every JOINED would be quadratic
             joined = await self.store.joined(job_id)
             try:
                 first = form_first(job_id, job.world_size, joined.values())

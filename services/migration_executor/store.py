@@ -14,7 +14,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from torchrelay.contract import AgentReport, JobRegistered, MigrationRequested
+from torchrelay.contract import AgentReport, JobRegistered, MigrationRequested, Role
 
 from .saga import SagaState
 
@@ -129,7 +129,7 @@ class ExecutorStore:
 
     async def forget_reports(self, job_id: str, after_s: int = 3600) -> None:
         """Let a finished job's agent reports expire (sagas no longer need them)."""
-        keys = [f"{self._p}:joined:{job_id}"]
+        keys = [f"{self._p}:joined:{job_id}", f"{self._p}:joined_workers:{job_id}"]
         async for key in self._r.scan_iter(match=f"{self._p}:resumed:{job_id}:*", count=500):
             keys.append(_text(key))
         pipe = self._r.pipeline(transaction=False)
@@ -143,9 +143,28 @@ class ExecutorStore:
     # ------------------------------------------------------------------ reports
 
     async def add_joined(self, report: AgentReport) -> None:
-        await self._r.hset(
-            f"{self._p}:joined:{report.job_id}", report.member_id, report.model_dump_json()
-        )
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hset(f"{self._p}:joined:{report.job_id}", report.member_id, report.model_dump_json())
+        if report.role == Role.WORKER:
+            pipe.sadd(f"{self._p}:joined_workers:{report.job_id}", report.member_id)
+        await pipe.execute()
+
+    async def store_addrs(self, job_id: str, members: list[str]) -> dict[str, str]:
+        """The rendezvous store addresses the given members announced when they joined."""
+        if not members:
+            return {}
+        raws = await self._r.hmget(f"{self._p}:joined:{job_id}", members)
+        out: dict[str, str] = {}
+        for member, raw in zip(members, raws, strict=True):
+            if raw is not None:
+                addr = AgentReport.model_validate_json(raw).store_addr
+                if addr:
+                    out[member] = addr
+        return out
+
+    async def workers_joined(self, job_id: str) -> int:
+        """How many workers of the job have joined (cheap: formation asks on every JOINED)."""
+        return int(await self._r.scard(f"{self._p}:joined_workers:{job_id}"))
 
     async def joined(self, job_id: str) -> dict[str, AgentReport]:
         raw = await self._r.hgetall(f"{self._p}:joined:{job_id}")

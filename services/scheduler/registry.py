@@ -77,6 +77,7 @@ class JobRegistry:
         pipe.zadd(f"{self._p}:jobs", {event.job_id: _ms(event.occurred_at)})
         pipe.sadd(f"{self._p}:jobs:active", event.job_id)
         await pipe.execute()
+        await self._index_nodes(event.job_id, event.cluster, job["ranks"])
         await self.add_timeline(
             event.job_id,
             event.occurred_at,
@@ -136,6 +137,7 @@ class JobRegistry:
             r["pid"] = pids.get(r["member_id"])
         job["generation"] = event.generation
         job["ranks"] = ranks
+        await self._index_nodes(event.job_id, job["cluster"], ranks)
         job["world_size"] = len(ranks)
         if job["state"] not in FINISHED_STATES:
             job["state"] = "running"
@@ -255,17 +257,29 @@ class JobRegistry:
         raw = await self._r.zrevrange(f"{self._p}:jobs", 0, -1)
         return [_text(x) for x in raw]
 
-    async def active_placements(self) -> list[RankPlacement]:
-        """Where every rank of every unfinished job runs now."""
-        ids = sorted(_text(x) for x in await self._r.smembers(f"{self._p}:jobs:active"))
+    async def active_placements(
+        self, *, job_id: str | None = None, cluster: str | None = None, node: str | None = None
+    ) -> list[RankPlacement]:
+        """Where every rank of every unfinished job runs now.
+
+        With ``job_id``, only that job is read; with ``cluster`` and ``node``, only the jobs
+        that ever had a rank on that node (an index kept per node), so a fault costs what it
+        touches rather than a read of every job in the fleet.
+        """
+        if job_id is not None:
+            ids = [job_id]
+        elif cluster is not None and node is not None:
+            ids = sorted(_text(x) for x in await self._r.smembers(self._node_key(cluster, node)))
+        else:
+            ids = sorted(_text(x) for x in await self._r.smembers(f"{self._p}:jobs:active"))
         out: list[RankPlacement] = []
-        for job_id in ids:
-            job = await self.get(job_id)
+        for jid in ids:
+            job = await self.get(jid)
             if job is None or job["state"] in FINISHED_STATES:
                 continue
             out.extend(
                 RankPlacement(
-                    job_id=job_id,
+                    job_id=jid,
                     tenant=job["tenant"],
                     cluster=job["cluster"],
                     rank=int(r["rank"]),
@@ -275,8 +289,19 @@ class JobRegistry:
                     generation=int(job["generation"]),
                 )
                 for r in job["ranks"]
+                if node is None or r["node"] == node
             )
         return out
+
+    def _node_key(self, cluster: str, node: str) -> str:
+        return f"{self._p}:node_jobs:{cluster}:{node}"
+
+    async def _index_nodes(self, job_id: str, cluster: str, ranks: list[dict[str, Any]]) -> None:
+        # Entries are only added: a reader checks the job's actual placement anyway.
+        pipe = self._r.pipeline(transaction=False)
+        for n in {r["node"] for r in ranks}:
+            pipe.sadd(self._node_key(cluster, n), job_id)
+        await pipe.execute()
 
     async def generations(self, job_id: str) -> list[dict[str, Any]]:
         """Every generation of the job seen so far, oldest first."""

@@ -130,7 +130,11 @@ class Scheduler:
     async def on_fault(self, fault: FaultDetected) -> None:
         """Open one incident per hurt rank (or fold into the open one) and act on it."""
         decision = rules.decide(fault.kind, fault.severity, fault.action)
-        hurt = rules.affected_ranks(fault, await self.jobs.active_placements())
+        if fault.job_id is not None:
+            placements = await self.jobs.active_placements(job_id=fault.job_id)
+        else:
+            placements = await self.jobs.active_placements(cluster=fault.cluster, node=fault.node)
+        hurt = rules.affected_ranks(fault, placements)
         if not hurt:
             self.ctx.log.info(
                 "fault hurts no running rank",
@@ -478,8 +482,8 @@ class Scheduler:
         )
         ranks = [
             {"job_id": p.job_id, "rank": p.rank, "member_id": p.member_id, "gpu": p.gpu}
-            for p in await self.jobs.active_placements()
-            if p.cluster == cluster and p.node == command.node
+            for p in await self.jobs.active_placements(cluster=cluster, node=command.node)
+            if p.cluster == cluster
         ]
         await self.ctx.bus.publish(drain, Subjects.DRAIN_REQUESTED)
         return {
