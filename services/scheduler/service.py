@@ -170,6 +170,8 @@ class Scheduler:
         if record is None:
             return
         incident = Incident.model_validate(record["incident"])
+        if incident.fault_id != fault.fault_id:
+            return  # a redelivered fault that was folded into another fault's incident
         decision = rules.Decision(record["decision"])
         timeline: list[dict[str, Any]] = [
             {
