@@ -389,3 +389,76 @@ async def test_two_replicas_share_telemetry_and_agree_on_episodes(
     assert sorted(f.node for f in lost) == sorted(nodes)  # one per node, never two
     assert forwarded > 0  # the queue group spread batches; owners got them back
     assert evaluated == len(nodes) * 12
+
+
+async def _beats(
+    bus: Bus,
+    job: str,
+    members: list[str],
+    stop: asyncio.Event,
+    step_time: dict[int, float],
+    frozen: set[int] | None = None,
+) -> None:
+    """Every rank beats 20 times a second; a frozen rank stays alive but stops committing."""
+    step = 0
+    frozen = frozen or set()
+    while not stop.is_set():
+        step += 1
+        for rank, member in enumerate(members):
+            await bus.publish_core(
+                Subjects.heartbeat(job),
+                Heartbeat(
+                    event_id=f"{member}-{step}",
+                    source=member,
+                    job_id=job,
+                    member_id=member,
+                    rank=rank,
+                    generation=1,
+                    step=5 if rank in frozen and step > 5 else step,
+                    step_time_s=step_time.get(rank, 0.05),
+                    kind="liveness" if rank in frozen and step > 5 else "step",
+                    node="local-0",
+                    gpu=rank,
+                    pid=1,
+                ),
+            )
+        await asyncio.sleep(0.05)
+
+
+async def test_a_rank_slower_than_the_others_is_a_straggler(
+    nats_url: str, redis_url: str, redis: aioredis.Redis, bus: Bus, faults: Collector
+) -> None:
+    async with running_detector(nats_url, redis_url, detector_straggler_sustain_s=1.0) as det:
+        members = await register_job(bus, "jobs", [("local-0", g) for g in range(4)])
+        await job_known(det, "jobs")
+        stop = asyncio.Event()
+        task = asyncio.create_task(_beats(bus, "jobs", members, stop, {2: 0.075}))
+        try:
+            found = await faults.wait_for(is_kind(FaultKind.STRAGGLER), timeout=15)
+        finally:
+            stop.set()
+            await task
+    f = found[0]
+    assert (f.rank, f.member_id, f.action) == (2, members[2], FaultAction.MIGRATE_AT_BOUNDARY)
+    assert f.evidence["ratio"] == pytest.approx(1.5, rel=0.05)
+    assert {x.kind for x in faults.items} == {FaultKind.STRAGGLER}
+
+
+async def test_a_live_rank_without_progress_is_hung(
+    nats_url: str, redis_url: str, redis: aioredis.Redis, bus: Bus, faults: Collector
+) -> None:
+    async with running_detector(nats_url, redis_url, detector_hang_floor_s=1.0) as det:
+        members = await register_job(bus, "jobg", [("local-0", 0), ("local-0", 1)])
+        await job_known(det, "jobg")
+        stop = asyncio.Event()
+        task = asyncio.create_task(_beats(bus, "jobg", members, stop, {}, frozen={1}))
+        try:
+            found = await faults.wait_for(is_kind(FaultKind.WORKER_HANG), timeout=15)
+        finally:
+            stop.set()
+            await task
+    f = found[0]
+    assert (f.rank, f.member_id, f.action) == (1, members[1], FaultAction.MIGRATE_NOW)
+    assert f.evidence["step"] == 5
+    assert f.evidence["bound_s"] == 1.0  # the floor: this job's steps take 50 ms
+    assert [x.kind for x in faults.items] == [FaultKind.WORKER_HANG]
