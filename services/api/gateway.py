@@ -7,6 +7,8 @@ errors become 404/422/409 problems; a reply of the wrong shape is a 502 naming t
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -120,12 +122,38 @@ def _from_rpc(service: str, exc: RpcFailed) -> ApiProblem:
     )
 
 
+# Verbs that only read: concurrent identical requests share one round trip (no caching:
+# a request that starts after the shared one answered asks again).
+READ_VERBS = frozenset(
+    {
+        "job_list",
+        "job_get",
+        "job_timeline",
+        "incident_list",
+        "incident_get",
+        "contract_get",
+        "contract_list",
+        "guarantee",
+        "credits_list",
+        "export",
+        "ledger_verify",
+        "cluster_list",
+        "node_list",
+        "node_get",
+        "list",
+        "get",
+        "depth",
+    }
+)
+
+
 class Gateway:
     """The API's client of the services' RPC verbs."""
 
     def __init__(self, bus: Bus, timeout_s: float = 5.0) -> None:
         self.bus = bus
         self.timeout_s = timeout_s
+        self._inflight: dict[str, asyncio.Future[Any]] = {}
 
     async def call(
         self,
@@ -135,12 +163,13 @@ class Gateway:
         *,
         missing: ApiProblem | None = None,
     ) -> Any:
-        """Ask ``service`` to ``verb``; ``missing`` replaces the service's not-found answer."""
+        """Ask ``service`` to ``verb``; ``missing`` replaces the service's not-found answer.
+
+        The result may be shared with concurrent callers of the same read: do not mutate it.
+        """
         clean = {k: v for k, v in (payload or {}).items() if v is not None}
         try:
-            return await self.bus.request(
-                Subjects.rpc(service, verb), clean, timeout=self.timeout_s
-            )
+            return await self._request(Subjects.rpc(service, verb), verb, clean)
         except NoResponder as exc:
             raise ApiProblem(
                 503,
@@ -159,6 +188,27 @@ class Gateway:
             raise ApiProblem(
                 502, "Bad Gateway", f"{service}: {exc}", kind="bad-gateway", service=service
             ) from exc
+
+    async def _request(self, subject: str, verb: str, payload: dict[str, Any]) -> Any:
+        if verb not in READ_VERBS:
+            return await self.bus.request(subject, payload, timeout=self.timeout_s)
+        key = subject + " " + json.dumps(payload, sort_keys=True, default=str)
+        shared = self._inflight.get(key)
+        if shared is None:
+            shared = asyncio.ensure_future(
+                self.bus.request(subject, payload, timeout=self.timeout_s)
+            )
+            self._inflight[key] = shared
+
+            def _done(task: asyncio.Future[Any], key: str = key) -> None:
+                if self._inflight.get(key) is task:
+                    del self._inflight[key]
+                if not task.cancelled():
+                    task.exception()  # retrieved here, so a failure nobody awaited is quiet
+
+            shared.add_done_callback(_done)
+        # shield: one caller going away (client disconnect) must not cancel the others' answer.
+        return await asyncio.shield(shared)
 
     async def fetch(
         self,

@@ -1,0 +1,291 @@
+"""Portal API benchmark: latency of ``GET /v1/incidents`` under 200 concurrent clients.
+
+What runs: a real ``nats-server`` and ``redis-server``; the real scheduler service
+(``python -m services.scheduler``) holding ``INCIDENTS`` incidents made the production way
+(jobs registered and faults published on the bus); the API as its own process
+(``python -m services.api``, uvicorn); and, in this process, 200 ``httpx.AsyncClient``
+clients, each with its own keep-alive connection, using the operator token (a token check
+is the same cached HMAC for both scopes).
+
+Two loads, each over 200 concurrent clients asking for one page of 50 incidents:
+
+- ``portal``: every client asks once a second (with jitter), as dashboards and portals poll:
+  ~200 requests/s offered. The target (p99 < 50 ms) is judged on this load.
+- ``saturation``: every client asks again as soon as it has its answer, to find the
+  throughput ceiling; here latency is ~clients / throughput by Little's law, so it is
+  reported but not held to the target.
+
+Everything shares this machine's cores (the client too), so the figures are conservative.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from torchrelay.bus import Bus
+from torchrelay.contract import (
+    FaultAction,
+    FaultDetected,
+    FaultKind,
+    JobRegistered,
+    Member,
+    Role,
+    Severity,
+    Subjects,
+    make_event_id,
+)
+from torchrelay.runtime import free_port, nats_server, redis_server
+
+CLIENTS = int(os.environ.get("BENCH_API_CLIENTS", "200"))
+PORTAL_ROUNDS = int(os.environ.get("BENCH_API_ROUNDS", "15"))
+SATURATION_S = 10.0
+JOBS = 100
+INCIDENTS = 2 * JOBS
+PAGE = 50
+TARGET_P99_MS = 50.0
+TOKEN = "trdev_bench-operator-token-0123456789abcdef"
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _summary(samples_s: list[float], errors: int, wall_s: float) -> dict[str, float]:
+    ordered = sorted(s * 1000 for s in samples_s)
+    return {
+        "requests": len(ordered),
+        "errors": errors,
+        "p50_ms": round(_percentile(ordered, 0.50), 2),
+        "p90_ms": round(_percentile(ordered, 0.90), 2),
+        "p99_ms": round(_percentile(ordered, 0.99), 2),
+        "max_ms": round(ordered[-1], 2) if ordered else float("nan"),
+        "throughput_rps": round(len(ordered) / wall_s, 1) if wall_s else 0.0,
+    }
+
+
+def _spawn(module: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", module], env=env, stdout=subprocess.PIPE, stderr=log.open("wb")
+    )
+
+
+def _wait_http(url: str, deadline_s: float = 60.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {deadline_s:.0f}s")
+
+
+async def _seed(nats_url: str) -> None:
+    """Register JOBS jobs of 2 ranks and publish a worker_lost fault for each rank."""
+    bus = await Bus.connect(nats_url, "bench-seed")
+    try:
+        for j in range(JOBS):
+            job_id, tenant = f"job-{j:03d}", f"tenant-{j % 10}"
+            await bus.publish(
+                JobRegistered(
+                    event_id=make_event_id("bench-reg", job_id),
+                    source="bench",
+                    job_id=job_id,
+                    tenant=tenant,
+                    world_size=2,
+                    spares=1,
+                    launcher_id=f"l-{job_id}",
+                    members=[
+                        Member(
+                            member_id=f"{job_id}-m{r}",
+                            role=Role.WORKER,
+                            node=f"node-{j % 16}",
+                            gpu=r,
+                        )
+                        for r in range(2)
+                    ],
+                ),
+                Subjects.JOB_REGISTERED,
+            )
+        for j in range(JOBS):
+            job_id = f"job-{j:03d}"
+            for r in range(2):
+                await bus.publish(
+                    FaultDetected(
+                        event_id=make_event_id("bench-fault", job_id, r),
+                        source="bench",
+                        fault_id=f"f-{job_id}-{r}",
+                        cluster="local",
+                        node=f"node-{j % 16}",
+                        gpu=r,
+                        job_id=job_id,
+                        rank=r,
+                        member_id=f"{job_id}-m{r}",
+                        kind=FaultKind.WORKER_LOST,
+                        severity=Severity.FATAL,
+                        action=FaultAction.MIGRATE_NOW,
+                    ),
+                    Subjects.FAULT_DETECTED,
+                )
+    finally:
+        await bus.close()
+
+
+async def _load(url: str, paced: bool) -> dict[str, Any]:
+    samples: list[float] = []
+    errors = 0
+    first_errors: list[str] = []
+    stop_at = time.monotonic() + SATURATION_S
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def client(i: int) -> None:
+        nonlocal errors
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        async with httpx.AsyncClient(
+            base_url=url, headers=headers, limits=limits, timeout=30
+        ) as http:
+            rng = random.Random(i)
+            if paced:
+                await asyncio.sleep(rng.random())  # spread the clients over the first second
+            rounds = 0
+            while (rounds < PORTAL_ROUNDS) if paced else (time.monotonic() < stop_at):
+                started = time.perf_counter()
+                why = ""
+                try:
+                    r = await http.get("/v1/incidents", params={"limit": PAGE})
+                    ok = r.status_code == 200 and len(r.json()["items"]) == PAGE
+                    why = f"{r.status_code} {r.text[:300]}"
+                except httpx.HTTPError as exc:
+                    ok, why = False, repr(exc)
+                elapsed = time.perf_counter() - started
+                if ok:
+                    samples.append(elapsed)
+                else:
+                    errors += 1
+                    if len(first_errors) < 3:
+                        first_errors.append(why)
+                rounds += 1
+                if paced:
+                    await asyncio.sleep(max(0.0, rng.uniform(0.9, 1.1) - elapsed))
+
+    started = time.monotonic()
+    await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+    summary: dict[str, Any] = {**_summary(samples, errors, time.monotonic() - started)}
+    if first_errors:
+        summary["first_errors"] = first_errors
+    return summary
+
+
+def run() -> dict[str, Any]:
+    """Start the stack, seed incidents, measure both loads; print and return the figures."""
+    with tempfile.TemporaryDirectory(prefix="tr-bench-api-") as tmp:
+        root = Path(tmp)
+        nats, redis = nats_server(root / "nats"), redis_server(root / "redis")
+        nats.start()
+        redis.start()
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRELAY_")}
+            env.update(
+                {
+                    "NATS_URL": nats.url,
+                    "REDIS_URL": redis.url,
+                    "TORCHRELAY_LOG_LEVEL": "WARNING",
+                    "TORCHRELAY_ENVIRONMENT": "development",
+                    "TORCHRELAY_OPERATOR_TOKEN": TOKEN,
+                }
+            )
+            sched_port, api_port = free_port(), free_port()
+            procs.append(
+                _spawn(
+                    "services.scheduler",
+                    dict(env, TORCHRELAY_HTTP_PORT=str(sched_port)),
+                    root / "scheduler.log",
+                )
+            )
+            procs.append(
+                _spawn(
+                    "services.api", dict(env, TORCHRELAY_HTTP_PORT=str(api_port)), root / "api.log"
+                )
+            )
+            url = f"http://127.0.0.1:{api_port}"
+            _wait_http(f"http://127.0.0.1:{sched_port}/readyz")
+            _wait_http(f"{url}/readyz")
+            asyncio.run(_seed(nats.url))
+            end = time.monotonic() + 60
+            count = 0
+            while time.monotonic() < end:
+                page = httpx.get(
+                    f"{url}/v1/incidents",
+                    params={"limit": 500},
+                    timeout=10,
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                ).json()
+                count = len(page["items"])
+                if count >= INCIDENTS:
+                    break
+                time.sleep(0.2)
+            if count < INCIDENTS:
+                raise RuntimeError(f"the scheduler holds {count} of {INCIDENTS} incidents")
+            asyncio.run(_load(url, paced=True))  # warm-up: connections, caches, JIT-free paths
+            portal = asyncio.run(_load(url, paced=True))
+            saturation = asyncio.run(_load(url, paced=False))
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            nats.stop()
+            redis.stop()
+    result: dict[str, Any] = {
+        "route": f"GET /v1/incidents?limit={PAGE}",
+        "behind_the_api": f"real scheduler process holding {INCIDENTS} incidents",
+        "clients": CLIENTS,
+        "portal": {**portal, "offered_rps_per_client": 1.0, "rounds": PORTAL_ROUNDS},
+        "saturation": {**saturation, "duration_s": SATURATION_S},
+        "p50_ms": portal["p50_ms"],
+        "p99_ms": portal["p99_ms"],
+        "target_p99_ms": TARGET_P99_MS,
+        "target_met": portal["p99_ms"] < TARGET_P99_MS and portal["errors"] == 0,
+    }
+    print(
+        f"GET /v1/incidents (page of {PAGE}), {CLIENTS} concurrent clients, real scheduler "
+        f"behind the API ({INCIDENTS} incidents)"
+    )
+    print(
+        f"{'load':<12}{'requests':>9}{'errors':>8}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+        f"{'max ms':>9}{'req/s':>9}"
+    )
+    for name, row in (("portal 1/s", portal), ("saturation", saturation)):
+        print(
+            f"{name:<12}{row['requests']:>9}{row['errors']:>8}{row['p50_ms']:>9}"
+            f"{row['p90_ms']:>9}{row['p99_ms']:>9}{row['max_ms']:>9}"
+            f"{row['throughput_rps']:>9}"
+        )
+    print(
+        f"target p99 < {TARGET_P99_MS:.0f} ms at 200 clients polling once a second: "
+        f"{'met' if result['target_met'] else 'NOT met'}"
+    )
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(json.dumps(run(), indent=2))
