@@ -359,15 +359,19 @@ class SagaRunner:
         if found is not None and found[0].generation > state.generation_after:
             newest = found[0]
             if state.spare_member and newest.member_rank(state.spare_member) != state.rank:
-                return await self._save(
-                    saga.fail(
-                        state,
-                        Resolution.LOST,
-                        now,
-                        f"{state.spare_member} lost rank {state.rank} to generation "
-                        f"{newest.generation} before it resumed",
+                # Our spare failed too and a later migration replaced it: the rank lives on
+                # in that generation, so this migration completes there (our lease goes back).
+                holder = next((a for a in newest.ranks if a.rank == state.rank), None)
+                if holder is None:
+                    return await self._save(
+                        saga.fail(
+                            state,
+                            Resolution.LOST,
+                            now,
+                            f"rank {state.rank} left the job in generation {newest.generation}",
+                        )
                     )
-                )
+                return await self._save(saga.superseded(state, newest, holder, now, self.timing))
             views.append((newest.generation, [a.member_id for a in newest.ranks]))
         expired = state.deadline is not None and now >= state.deadline
         missing: list[str] = []
@@ -409,7 +413,8 @@ class SagaRunner:
             return True
 
     async def _confirm(self, state: SagaState, now: datetime) -> SagaState | None:
-        assert state.lease is not None
+        if state.lease is None:  # superseded: the spare in use is another migration's lease
+            return await self._save(saga.confirmed(state, now))
         if not await self._best_effort(
             state,
             now,
@@ -455,7 +460,6 @@ class SagaRunner:
         return await self._save(saga.fenced(state, now))
 
     async def _complete(self, state: SagaState, now: datetime) -> SagaState | None:
-        assert state.lease is not None
         assert state.stats is not None
         assert state.generation_after is not None
         await self.bus.publish(
@@ -467,8 +471,8 @@ class SagaRunner:
                 job_id=state.job_id,
                 rank=state.rank,
                 mode=state.mode,
-                to_node=state.lease.slot.node,
-                to_gpu=state.lease.slot.gpu,
+                to_node=saga.destination(state)[0],
+                to_gpu=saga.destination(state)[1],
                 generation_before=state.generation_before,
                 generation_after=state.generation_after,
                 stall_ms=state.stats.stall_ms,

@@ -138,6 +138,8 @@ class SagaState(BaseModel):
     generation_before: int
     generation_after: int | None = None
     members_after: list[str] = Field(default_factory=list)  # who holds a rank in g+1
+    # Where the rank went, when a later migration replaced our spare (else the lease's slot).
+    moved_to: tuple[str, int] | None = None
     attempt: int = 1
     lease: Lease | None = None
     spare_member: str | None = None
@@ -299,6 +301,40 @@ def published(state: SagaState, generation: Generation, now: datetime, timing: T
     )
 
 
+def superseded(
+    state: SagaState, newest: Generation, holder: RankAssignment, now: datetime, timing: Timing
+) -> SagaState:
+    """Our spare failed before it resumed and a later migration gave the rank to another.
+
+    The rank is live again in ``newest``: this migration follows it there and completes
+    when every rank of ``newest`` resumed. Our lease is released (that spare is gone; the
+    later migration quarantines its slot), and our spare is the later migration's to fence.
+    """
+    release = [*state.to_release, state.lease.lease_id] if state.lease else state.to_release
+    return _move(
+        state,
+        Phase.AWAIT_RESUME,
+        now,
+        f"{state.spare_member} replaced by {holder.member_id} in generation {newest.generation}",
+        lease=None,
+        to_release=release,
+        spare_member=holder.member_id,
+        moved_to=(holder.node, holder.gpu),
+        generation_after=newest.generation,
+        members_after=[a.member_id for a in newest.ranks],
+        deadline=now + timedelta(seconds=timing.resume_timeout_s),
+    )
+
+
+def destination(state: SagaState) -> tuple[str, int]:
+    """The (node, gpu) the rank moved to."""
+    if state.moved_to is not None:
+        return state.moved_to
+    if state.lease is None:
+        raise ValueError(f"migration {state.migration_id} has no destination yet")
+    return state.lease.slot.node, state.lease.slot.gpu
+
+
 def resumed(state: SagaState, stats: ResumeStats, now: datetime) -> SagaState:
     """Every rank resumed in g+1: confirm the lease."""
     return _move(state, Phase.CONFIRM, now, "all ranks resumed", stats=stats, outcome="completed")
@@ -370,6 +406,11 @@ def timed_out(state: SagaState, now: datetime, timing: Timing, reason: str) -> S
     fenced and its slot quarantined, and the rank is replaced again from there. After
     ``max_attempts`` the job's policy decides as if no spare could be had.
     """
+    if state.moved_to is not None:
+        # Following another migration's spare: that one is its saga's to replace, not ours.
+        return fail(state, Resolution.LOST, now,
+                    f"rank {state.rank} did not resume in generation {state.generation_after}: "
+                    f"{reason}")
     release = [*state.to_release, state.lease.lease_id] if state.lease else state.to_release
     changes: dict[str, Any] = {"lease": None, "to_release": release, "spare_member": None}
     if state.phase == Phase.AWAIT_RESUME and state.spare_member and state.generation_after:

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from torchrelay.bus import Bus
 from torchrelay.contract import (
     FaultAction,
+    FaultDetected,
     FaultKind,
     GenerationChanged,
     IncidentClosed,
@@ -445,3 +446,53 @@ async def test_drain_never_moves_a_rank_onto_a_spare_of_the_drained_node(
         assert final.generation == 2
         assert "j12-s1" not in {a.member_id for a in final.ranks}
         assert (await pool.slot("local:local-1:5"))["state"] == "quarantined"
+
+
+async def test_a_spare_dying_before_it_resumed_is_replaced_and_both_failures_close_live(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SparePoolView,
+) -> None:
+    job = SimJob(bus, "j13", spares=2)
+    async with control_plane(nats_url, redis_url, resume_timeout_s=60.0):
+        await job.start()
+        await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        first = gen2.ranks[1]
+        # The spare dies on its way in: the detector reports it (it holds rank 1 now).
+        await bus.publish(
+            FaultDetected(
+                event_id="spare-died",
+                source="detector",
+                fault_id="spare-died",
+                cluster="local",
+                node=first.node,
+                gpu=first.gpu,
+                job_id="j13",
+                rank=1,
+                member_id=first.member_id,
+                kind=FaultKind.WORKER_LOST,
+                severity=Severity.FATAL,
+                action=FaultAction.MIGRATE_NOW,
+            ),
+            Subjects.FAULT_DETECTED,
+        )
+        gen3 = await job.generation(3, timeout=10)
+        second = gen3.ranks[1]
+        assert second.member_id not in (first.member_id, "j13-w1")
+        await job.resumed(gen3, {"j13-w2": {"stall_ms": 120.0}})
+        closed = await _closed(tap, "j13", 2)
+        assert [c.incident.resolution for c in closed] == [Resolution.MIGRATED_LIVE] * 2
+        by_fault = {c.incident.fault_id: c.incident for c in closed}
+        original = next(i for f, i in by_fault.items() if f != "spare-died")
+        assert original.generation_after == 3  # where the rank came back to life
+        done = {e.incident_id: e for e in tap.of(MigrationCompleted)}
+        assert (done[original.incident_id].to_node, done[original.incident_id].to_gpu) == (
+            second.node,
+            second.gpu,
+        )
+        assert await pool.in_state("reserved") == []
+        assert (await pool.slot(f"local:{second.node}:{second.gpu}"))["state"] == "in_use"

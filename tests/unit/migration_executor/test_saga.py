@@ -379,3 +379,30 @@ def test_partial_resume_stats_need_the_newcomer() -> None:
     assert partial == ResumeStats(stall_ms=30.0, lost_steps=0, bytes_moved=7)
     del reports["j-s0"]
     assert saga.resume_stats(members, "j-s0", reports, partial=True) is None
+
+
+def test_superseded_spare_follows_the_rank_to_the_newer_generation() -> None:
+    s = saga.reserved(new(), lease(), T0, TIMING)
+    s = saga.published(s, gen(2, ["j-w0", "j-s0", "j-w2", "j-w3"], "m1"), T0, TIMING)
+    g3 = gen(3, ["j-w0", "j-s1", "j-w2", "j-w3"], "m2")
+    s = saga.superseded(s, g3, g3.ranks[1], T0, TIMING)
+    assert s.phase == Phase.AWAIT_RESUME
+    assert s.to_release == ["L1"]  # the dead spare's lease goes back
+    assert s.lease is None
+    assert (s.spare_member, s.generation_after) == ("j-s1", 3)
+    assert saga.destination(s) == ("local-1", 0)
+    assert saga.members_to_fence(s) == ["j-w1"]  # the later migration fences j-s0
+    # Completes without a lease of its own to confirm.
+    done = saga.done(
+        saga.fenced(
+            saga.quarantined(
+                saga.confirmed(saga.resumed(s, ResumeStats(stall_ms=1.0), T0), T0), T0
+            ),
+            T0,
+        ),
+        T0,
+    )
+    assert (done.phase, done.outcome) == (Phase.DONE, "completed")
+    # If that generation never resumes, this saga does not touch the other one's spare.
+    failed = saga.timed_out(s, T0, TIMING, "no RESUMED")
+    assert (failed.phase, failed.fallback, failed.to_fence) == (Phase.FAIL, Resolution.LOST, [])
