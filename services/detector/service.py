@@ -39,6 +39,7 @@ from services.detector.state import (
     JobDirectory,
     Membership,
     NodeRegistry,
+    SlotHolder,
 )
 from torchrelay.bus import Delivery, NotFound, validation_message
 from torchrelay.contract import (
@@ -268,8 +269,10 @@ class Detector:
                 finally:
                     self._busy = False
                 done += 1
-                if done % 16 == 0:
-                    await asyncio.sleep(0)  # let the subscriptions queue (critical ones first)
+                if done % 16 == 0 or self.inflight:
+                    # Let the subscriptions queue (critical ones go first) and, while faults
+                    # are being published, let their round trips go on after every batch.
+                    await asyncio.sleep(0)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         # One owner per job: the straggler and hang rules need all of its ranks.
@@ -328,7 +331,7 @@ class Detector:
                 w = self.gpus[key] = GpuWindows(self.cfg)
             for f in evaluate_sample(w, s, self.cfg):
                 ep_key = self.episodes.key(s.cluster, s.node, s.gpu, f.kind.value)
-                if not self.episodes.settled(ep_key, s.ts.timestamp()):
+                if self.episodes.observe(ep_key, s.ts.timestamp()):
                     # Off the telemetry path: Redis and JetStream round trips must not hold
                     # up the next batch (and its faults) behind this one.
                     self._spawn(self._gpu_finding(s, f.kind, f.signal, f.evidence, ep_key))
@@ -361,14 +364,24 @@ class Detector:
     ) -> None:
         at = s.ts.timestamp()
         # Who holds the slot is looked up alongside the episode: one round trip less.
-        (new, number, first), holder = await asyncio.gather(
-            self.episodes.open(
-                key, at, node_index=self.nodes.episodes_key(s.cluster, s.node), check_local=False
-            ),
+        opened, holder = await asyncio.gather(
+            self.episodes.sync(key, node_index=self.nodes.episodes_key(s.cluster, s.node)),
             self.jobs.slot_holder(s.cluster, s.node, s.gpu),
         )
-        if not new:
-            return
+        for number, first in opened:
+            await self._publish_gpu_fault(s, kind, signal, evidence, number, first, holder, at)
+
+    async def _publish_gpu_fault(
+        self,
+        s: TelemetrySample,
+        kind: FaultKind,
+        signal: str,
+        evidence: dict[str, Any],
+        number: int,
+        first: float,
+        holder: SlotHolder | None,
+        at: float,
+    ) -> None:
         d = decide(kind, number, self.cfg)
         fault_id = make_event_id("fault", s.cluster, s.node, s.gpu, kind.value, number)
         ev: dict[str, Any] = {

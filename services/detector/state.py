@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -34,21 +35,24 @@ from torchrelay.contract import (
     Role,
 )
 
-# Open the next episode of a key unless one is open and recent (mirrors rules.episode_step).
-# KEYS[1] episode hash; ARGV: at, quiet_s, ttl_s. Returns {is_new, number, first_seen}.
+# Open the next episode of a key unless one is open and recent (mirrors rules.episode_step),
+# or (mode "extend") only move an open episode's last-seen time forward.
+# KEYS[1] episode hash, KEYS[2] (optional) the node's set of episode keys;
+# ARGV: at, quiet_s, ttl_s, mode. Returns {is_new, number, first_seen}.
 _EPISODE_LUA = """
 local n = tonumber(redis.call('HGET', KEYS[1], 'n') or '0')
 local open = redis.call('HGET', KEYS[1], 'open') == '1'
 local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
 local at = tonumber(ARGV[1])
-if open and at - last <= tonumber(ARGV[2]) then
-  if at > last then redis.call('HSET', KEYS[1], 'last', ARGV[1]) end
+if ARGV[4] == 'extend' or (open and at - last <= tonumber(ARGV[2])) then
+  if open and at > last then redis.call('HSET', KEYS[1], 'last', ARGV[1]) end
   redis.call('EXPIRE', KEYS[1], ARGV[3])
-  return {0, n, redis.call('HGET', KEYS[1], 'first')}
+  return {0, n, redis.call('HGET', KEYS[1], 'first') or ARGV[1]}
 end
 n = n + 1
 redis.call('HSET', KEYS[1], 'n', n, 'open', '1', 'first', ARGV[1], 'last', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if KEYS[2] then redis.call('SADD', KEYS[2], KEYS[1]) end
 return {1, n, ARGV[1]}
 """
 
@@ -95,9 +99,12 @@ def _s(value: Any) -> str:
 class EpisodeStore:
     """One episode per (GPU or member, kind), shared by every replica through Redis.
 
-    A local cache answers "same episode" without a Redis round trip while the finding keeps
-    recurring (a steady condition fires on every sample); Redis is told at most every
-    ``quiet_s / 4`` so that it never closes an episode that is still going on.
+    For sample-driven findings the replica that owns the GPU decides locally, in sample
+    order, whether a finding opens a new episode or extends the open one (:meth:`observe`);
+    Redis mirrors that decision so that replicas agree (:meth:`sync`): a new episode is
+    opened there atomically (another replica may have opened it already: then no fault), an
+    ongoing one is extended at most every ``quiet_s / 4`` of sample time. One sync task per
+    key at a time, so a burst of samples costs one round trip, not one per sample.
     """
 
     def __init__(self, redis: aioredis.Redis, prefix: str, cfg: DetectorConfig) -> None:
@@ -105,70 +112,89 @@ class EpisodeStore:
         self._prefix = prefix
         self._cfg = cfg
         self._script = redis.register_script(_EPISODE_LUA)
-        self._local: dict[str, tuple[Episode, float]] = {}
+        self._shadow: dict[str, Episode] = {}
+        self._told: dict[str, float] = {}
+        self._opens: dict[str, deque[float]] = {}
         self._pending: set[str] = set()
 
     def key(self, *parts: object) -> str:
         """The Redis key of an episode."""
         return f"{self._prefix}:ep:" + ":".join(str(p) for p in parts)
 
-    def settled(self, key: str, at: float, quiet_s: float | None = None) -> bool:
-        """Whether a finding at ``at`` is known, without Redis, to extend an open episode.
+    def _quiet(self, quiet_s: float | None) -> float:
+        return self._cfg.episode_quiet_s if quiet_s is None else quiet_s
 
-        When it is not, the key is marked pending until :meth:`open` runs for it, so that a
-        burst of the same finding makes one round trip, not one per sample.
-        """
+    def observe(self, key: str, at: float, quiet_s: float | None = None) -> bool:
+        """A finding at ``at``; True when a :meth:`sync` task must be started for ``key``."""
+        quiet = self._quiet(quiet_s)
+        ep = self._shadow.get(key)
+        if ep is None:
+            if len(self._shadow) > 200_000:
+                old = next(iter(self._shadow))
+                self._shadow.pop(old)
+                self._told.pop(old, None)
+            ep = self._shadow[key] = Episode()
+        if episode_step(ep, at, quiet):
+            self._opens.setdefault(key, deque()).append(at)
+        elif key not in self._opens and at - self._told.get(key, at) < quiet / 4:
+            return False
         if key in self._pending:
-            return True
-        quiet = self._cfg.episode_quiet_s if quiet_s is None else quiet_s
-        cached = self._local.get(key)
-        if cached is not None:
-            ep, told = cached
-            if not episode_step(ep, at, quiet) and at - told < quiet / 4:
-                return True
+            return False  # the running sync task picks this up
         self._pending.add(key)
-        return False
+        return True
 
-    async def open(
-        self,
-        key: str,
-        at: float,
-        quiet_s: float | None = None,
-        node_index: str | None = None,
-        *,
-        check_local: bool = True,
-    ) -> tuple[bool, int, float]:
-        """Record a finding at ``at``: (opened a new episode?, its number, its first time)."""
-        quiet = self._cfg.episode_quiet_s if quiet_s is None else quiet_s
+    async def sync(
+        self, key: str, node_index: str | None = None, quiet_s: float | None = None
+    ) -> list[tuple[int, float]]:
+        """Mirror the key's local decisions into Redis; returns the episodes it opened there
+        first (number, first seen) - each is one fault to publish."""
+        quiet = self._quiet(quiet_s)
+        opened: list[tuple[int, float]] = []
+        keys = [key] if node_index is None else [key, node_index]
         try:
-            return await self._open(key, at, quiet, node_index, check_local)
+            while True:
+                opens = self._opens.get(key)
+                if opens:
+                    at = opens.popleft()
+                    mode = "open"
+                else:
+                    self._opens.pop(key, None)
+                    ep = self._shadow.get(key)
+                    told = self._told.get(key)
+                    if ep is None or (told is not None and ep.last_seen - told < quiet / 4):
+                        return opened
+                    at, mode = ep.last_seen, "extend"
+                res = await self._script(
+                    keys=keys, args=[repr(at), repr(quiet), EPISODE_TTL_S, mode]
+                )
+                self._told[key] = max(self._told.get(key, at), at)
+                is_new, number, first = int(res[0]), int(res[1]), float(_s(res[2]))
+                ep = self._shadow.get(key)
+                if ep is not None and mode == "open":
+                    ep.number = number
+                if is_new:
+                    opened.append((number, first))
         finally:
             self._pending.discard(key)
 
-    async def _open(
-        self, key: str, at: float, quiet: float, node_index: str | None, check_local: bool
+    async def open(
+        self, key: str, at: float, quiet_s: float | None = None, node_index: str | None = None
     ) -> tuple[bool, int, float]:
-        cached = self._local.get(key)
-        if check_local and cached is not None:
-            ep, told = cached
-            extended = not episode_step(ep, at, quiet)
-            if extended and at - told < quiet / 4:
-                return False, ep.number, ep.first_seen
-        res = await self._script(keys=[key], args=[repr(at), repr(quiet), EPISODE_TTL_S])
-        is_new, number, first = int(res[0]), int(res[1]), float(_s(res[2]))
-        self._local[key] = (Episode(number, True, first, at), at)
-        if len(self._local) > 200_000:
-            self._local.pop(next(iter(self._local)))
-        if is_new and node_index is not None:
-            await self._redis.sadd(node_index, key)
-        return bool(is_new), number, first
+        """Record a rare finding (a lost or hung member) straight in Redis:
+        (opened a new episode?, its number, its first time)."""
+        keys = [key] if node_index is None else [key, node_index]
+        res = await self._script(
+            keys=keys, args=[repr(at), repr(self._quiet(quiet_s)), EPISODE_TTL_S, "open"]
+        )
+        return bool(int(res[0])), int(res[1]), float(_s(res[2]))
 
     async def close_node(self, node_index: str) -> int:
         """Close every open episode of a node (it was returned to service)."""
         keys = [_s(k) for k in await self._redis.smembers(node_index)]
         for k in keys:
             await self._redis.hset(k, "open", "0")
-            self._local.pop(k, None)
+            self._shadow.pop(k, None)
+            self._told.pop(k, None)
         await self._redis.delete(node_index)
         return len(keys)
 
@@ -302,12 +328,17 @@ class JobDirectory:
         if job is None:
             return None
         job_id = _s(job)
-        if await self.finished(job_id):
+        pipe = self._r.pipeline(transaction=False)  # one round trip for the rest
+        pipe.exists(self._k(job_id, "finished"))
+        pipe.hget(self._k(job_id, "meta"), "tenant")
+        pipe.hgetall(self._k(job_id, "gen"))
+        finished, tenant_raw, gen = await pipe.execute()
+        if finished:
             return None
-        tenant = await self.tenant_of(job_id)
-        got = await self.ranks(job_id)
-        if got is not None:
-            for a in got[1]:
+        tenant = _s(tenant_raw) if tenant_raw else None
+        if gen:
+            data = {_s(k): _s(v) for k, v in gen.items()}
+            for a in json.loads(data["ranks"]):
                 if a["node"] == node and int(a["gpu"]) == gpu:
                     return SlotHolder(job_id, a["member_id"], int(a["rank"]), tenant)
         return SlotHolder(job_id, None, None, tenant)

@@ -462,3 +462,22 @@ async def test_a_live_rank_without_progress_is_hung(
     assert f.evidence["step"] == 5
     assert f.evidence["bound_s"] == 1.0  # the floor: this job's steps take 50 ms
     assert [x.kind for x in faults.items] == [FaultKind.WORKER_HANG]
+
+
+async def test_a_replica_taking_over_does_not_repeat_an_ongoing_episode(
+    nats_url: str, redis_url: str, redis: aioredis.Redis, bus: Bus, faults: Collector
+) -> None:
+    t = time.time()
+    async with running_detector(nats_url, redis_url, detector_replica_id="first") as det:
+        await send(bus, "h-0", [sample("h-0", 0, ts=t, gpu_lost=True)])
+        await faults.wait_for(is_kind(FaultKind.GPU_LOST))
+        await det.drain()
+    # A new replica (empty memory) gets the same GPU, still lost, 30 s later in sample time.
+    async with running_detector(nats_url, redis_url, detector_replica_id="second") as det:
+        for i in range(1, 31):
+            await send(bus, "h-0", [sample("h-0", 0, ts=t + i, gpu_lost=True)])
+        await send(bus, "h-0", [sample("h-0", 1, ts=t + 31, xid=119)])
+        await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
+        await det.drain()
+        await bus.nc.flush()
+    assert len([f for f in faults.items if f.kind == FaultKind.GPU_LOST]) == 1
