@@ -170,6 +170,13 @@ class SagaRunner:
         """Perform the action of ``state``'s phase; the persisted next state, or None."""
         if state.to_release or state.to_quarantine or state.to_fence:
             return await self._compensate(state)
+        if await self.store.escalation_requested(state.migration_id):
+            escalated = saga.escalate(state, now)
+            if escalated is not state:
+                await self._save(escalated)
+            await self.store.escalation_done(state.migration_id)
+            if escalated is not state:
+                return escalated
         if state.phase in (
             Phase.RESERVE,
             Phase.WAIT_SPARE,
@@ -193,6 +200,7 @@ class SagaRunner:
             Phase.SHRINK: self._shrink,
             Phase.QUARANTINE: self._quarantine,
             Phase.FENCE: self._fence,
+            Phase.ESCALATE: self._republish_immediate,
             Phase.COMPLETE: self._complete,
             Phase.FAIL: self._fail,
         }[state.phase]
@@ -390,6 +398,39 @@ class SagaRunner:
                 saga.timed_out(state, now, self.timing, f"no RESUMED from {', '.join(missing)}")
             )
         return None
+
+    async def _republish_immediate(self, state: SagaState, now: datetime) -> SagaState | None:
+        assert state.generation_after is not None
+        found = await self._current(state)
+        if found is None:
+            return await self._save(
+                saga.fail(state, Resolution.LOST, now, "the job has no generation")
+            )
+        current, revision = found
+        if current.generation > state.generation_after:
+            if current.migration_id == state.migration_id:  # ours, written before a crash
+                await self.bus.publish(changed_event(current, SOURCE), Subjects.GENERATION_CHANGED)
+                return await self._save(saga.republished(state, current, now, self.timing))
+            # A later migration wrote a newer generation already (immediate by then, or
+            # followed by its own): wait on, as _await_resume follows newer generations.
+            return await self._save(
+                state.model_copy(update={"phase": Phase.AWAIT_RESUME, "updated_at": now})
+            )
+        again = current.model_copy(
+            update={
+                "generation": current.generation + 1,
+                "mode": state.mode,
+                "reason": f"escalated: {current.reason}",
+                "written_at": utcnow(),
+            }
+        )
+        try:
+            await self.bus.put_generation(again, revision)
+        except StaleRevision:
+            self._again.add(state.migration_id)
+            return None
+        await self.bus.publish(changed_event(again, SOURCE), Subjects.GENERATION_CHANGED)
+        return await self._save(saga.republished(state, again, now, self.timing))
 
     async def _best_effort(
         self, state: SagaState, now: datetime, subject: str, payload: dict[str, Any], what: str

@@ -45,6 +45,7 @@ class Phase(StrEnum):
     SHRINK = "shrink"  # policy shrink: write a generation without the rank
     QUARANTINE = "quarantine"  # take the failed slot out of service
     FENCE = "fence"  # tell the launcher to kill the old member if it still lives
+    ESCALATE = "escalate"  # rewrite a published boundary generation as immediate
     COMPLETE = "complete"  # publish MigrationCompleted
     FAIL = "fail"  # publish MigrationFailed with the fallback taken
     DONE = "done"
@@ -301,6 +302,50 @@ def published(state: SagaState, generation: Generation, now: datetime, timing: T
     )
 
 
+_TOO_LATE_TO_ESCALATE = frozenset(
+    {
+        Phase.CONFIRM,
+        Phase.QUARANTINE,
+        Phase.FENCE,
+        Phase.COMPLETE,
+        Phase.FAIL,
+        Phase.DONE,
+        Phase.SHRINK,
+    }
+)
+
+
+def escalate(state: SagaState, now: datetime) -> SagaState:
+    """A fatal fault hit the leaving rank of a boundary migration: switch to immediate.
+
+    Before the generation is written, it is simply written immediate. Once a boundary
+    generation is out, the ranks may wait forever for a step the dead rank cannot finish,
+    so the same assignment is written again as a newer, immediate generation.
+    """
+    if state.mode == MigrationMode.IMMEDIATE or state.phase in _TOO_LATE_TO_ESCALATE:
+        return state
+    if state.phase == Phase.AWAIT_RESUME:
+        return _move(
+            state, Phase.ESCALATE, now, "escalated to immediate", mode=MigrationMode.IMMEDIATE
+        )
+    return state.model_copy(update={"mode": MigrationMode.IMMEDIATE, "updated_at": now})
+
+
+def republished(
+    state: SagaState, generation: Generation, now: datetime, timing: Timing
+) -> SagaState:
+    """The immediate copy of our generation is out: wait for the ranks to resume in it."""
+    return _move(
+        state,
+        Phase.AWAIT_RESUME,
+        now,
+        f"generation {generation.generation} published (immediate)",
+        generation_after=generation.generation,
+        members_after=[a.member_id for a in generation.ranks],
+        deadline=now + timedelta(seconds=timing.resume_timeout_s),
+    )
+
+
 def superseded(
     state: SagaState, newest: Generation, holder: RankAssignment, now: datetime, timing: Timing
 ) -> SagaState:
@@ -408,9 +453,12 @@ def timed_out(state: SagaState, now: datetime, timing: Timing, reason: str) -> S
     """
     if state.moved_to is not None:
         # Following another migration's spare: that one is its saga's to replace, not ours.
-        return fail(state, Resolution.LOST, now,
-                    f"rank {state.rank} did not resume in generation {state.generation_after}: "
-                    f"{reason}")
+        return fail(
+            state,
+            Resolution.LOST,
+            now,
+            f"rank {state.rank} did not resume in generation {state.generation_after}: {reason}",
+        )
     release = [*state.to_release, state.lease.lease_id] if state.lease else state.to_release
     changes: dict[str, Any] = {"lease": None, "to_release": release, "spare_member": None}
     if state.phase == Phase.AWAIT_RESUME and state.spare_member and state.generation_after:

@@ -19,6 +19,7 @@ from torchrelay.contract import (
     Event,
     JobFinished,
     JobRegistered,
+    MigrationMode,
     MigrationRequested,
     ReportKind,
     Subjects,
@@ -153,6 +154,11 @@ class Executor:
         )
         state = saga.start(request, terms, utcnow())
         if await self.store.create(state, request):
+            self.runner.kick(request.migration_id)
+        elif request.mode == MigrationMode.IMMEDIATE:
+            # The scheduler escalated a boundary migration (a fatal fault on the leaving
+            # rank); the runner applies it, as the saga's only writer.
+            await self.store.request_escalation(request.migration_id)
             self.runner.kick(request.migration_id)
         else:
             self.ctx.log.info(

@@ -108,6 +108,16 @@ class ExecutorStore:
         raw = await self._r.get(f"{self._p}:joblock:{job_id}")
         return None if raw is None else _text(raw)
 
+    async def request_escalation(self, migration_id: str) -> None:
+        """Ask the runner (the saga's only writer) to switch the migration to immediate."""
+        await self._r.set(f"{self._p}:escalate:{migration_id}", "1", ex=86400)
+
+    async def escalation_requested(self, migration_id: str) -> bool:
+        return bool(await self._r.exists(f"{self._p}:escalate:{migration_id}"))
+
+    async def escalation_done(self, migration_id: str) -> None:
+        await self._r.delete(f"{self._p}:escalate:{migration_id}")
+
     async def once(self, marker: str) -> bool:
         """True the first time ``marker`` is asked for (kept a day)."""
         return bool(await self._r.set(f"{self._p}:once:{marker}", "1", nx=True, ex=86400))

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from torchrelay.contract import Incident, Resolution
+from torchrelay.contract import Incident, MigrationMode, Resolution
 
 # Opens an incident only if neither this fault nor another open one already covers the
 # member: one atomic step, so two deliveries racing cannot both open one.
@@ -31,6 +31,7 @@ redis.call('SET', KEYS[2], ARGV[1])
 redis.call('SET', KEYS[3], ARGV[2])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[1])
+redis.call('SADD', KEYS[6], ARGV[1])
 return {'opened', ARGV[1]}
 """
 
@@ -70,12 +71,13 @@ class IncidentStore:
         }
         outcome, incident_id = await self._r.eval(
             _OPEN_SCRIPT,
-            5,
+            6,
             f"{self._p}:fault:{incident.fault_id}:{incident.job_id}:{incident.rank}",
             f"{self._p}:open:{incident.job_id}:{member_id}",
             self._key(incident.incident_id),
             f"{self._p}:incidents",
             f"{self._p}:incidents:job:{incident.job_id}",
+            self._open_on(incident.cluster, incident.node),
             incident.incident_id,
             json.dumps(record),
             str(incident.detected_at.timestamp() * 1000.0),
@@ -84,6 +86,35 @@ class IncidentStore:
         if outcome == "folded":
             await self._fold(incident_id, incident.fault_id, incident.fault_kind.value)
         return outcome, incident_id
+
+    def _open_on(self, cluster: str, node: str) -> str:
+        return f"{self._p}:open_on:{cluster}:{node}"
+
+    async def open_for_member(self, job_id: str, member_id: str) -> str | None:
+        """The open incident of a member (it may no longer hold a rank: it is leaving)."""
+        raw = await self._r.get(f"{self._p}:open:{job_id}:{member_id}")
+        return None if raw is None else _text(raw)
+
+    async def open_on_slot(self, cluster: str, node: str, gpu: int | None) -> list[str]:
+        """Open incidents about ranks on a node (one GPU of it, if ``gpu`` is given)."""
+        found = []
+        for raw in await self._r.smembers(self._open_on(cluster, node)):
+            incident = await self.get(_text(raw))
+            if incident is None or incident.resolution != Resolution.OPEN:
+                continue
+            if gpu is None or incident.gpu == gpu:
+                found.append(incident.incident_id)
+        return sorted(found)
+
+    async def fold(
+        self, incident_id: str, fault_id: str, kind: str, job_id: str, rank: int | None
+    ) -> bool:
+        """Fold another fault into an open incident; False if this fault was seen before."""
+        key = f"{self._p}:fault:{fault_id}:{job_id}:{rank}"
+        if not await self._r.set(key, incident_id, nx=True):
+            return False
+        await self._fold(incident_id, fault_id, kind)
+        return True
 
     async def _fold(self, incident_id: str, fault_id: str, kind: str) -> None:
         record = await self.record(incident_id)
@@ -102,6 +133,13 @@ class IncidentStore:
         record = await self.record(incident_id)
         return None if record is None else Incident.model_validate(record["incident"])
 
+    async def set_mode(self, incident_id: str, mode: MigrationMode) -> None:
+        """Record that the incident's migration switched mode (escalated to immediate)."""
+        record = await self.record(incident_id)
+        if record is not None:
+            record["mode"] = mode.value
+            await self._r.set(self._key(incident_id), json.dumps(record))
+
     async def close(self, closed: Incident) -> bool:
         """Store the closed incident; False if it was already closed (nothing changes)."""
         record = await self.record(closed.incident_id)
@@ -113,6 +151,7 @@ class IncidentStore:
         record["incident"] = closed.model_dump(mode="json")
         pipe = self._r.pipeline(transaction=True)
         pipe.set(self._key(closed.incident_id), json.dumps(record))
+        pipe.srem(self._open_on(closed.cluster, closed.node), closed.incident_id)
         member = record.get("member_id")
         if member:
             # Only drop the member's open pointer if it still points at this incident.

@@ -33,6 +33,7 @@ from torchrelay.contract import (
     JobRegistered,
     MigrationCompleted,
     MigrationFailed,
+    MigrationMode,
     MigrationRequested,
     Name,
     Resolution,
@@ -135,6 +136,9 @@ class Scheduler:
         else:
             placements = await self.jobs.active_placements(cluster=fault.cluster, node=fault.node)
         hurt = rules.affected_ranks(fault, placements)
+        if decision == rules.Decision.MIGRATE_NOW:
+            # Before the per-rank path: whichever sees the fault first folds it, once.
+            await self._fold_into_leaving(fault)
         if not hurt:
             self.ctx.log.info(
                 "fault hurts no running rank",
@@ -160,6 +164,8 @@ class Scheduler:
                     "fault folded into open incident",
                     extra={"fault_id": fault.fault_id, "incident_id": incident_id},
                 )
+                if decision == rules.Decision.MIGRATE_NOW:
+                    await self._escalate(incident_id, fault)
                 continue
             # "opened", or "fault" (a redelivery after a crash): drive the incident's
             # effects again; every publish below has a deterministic id.
@@ -242,6 +248,74 @@ class Scheduler:
         else:
             # The job has not formed its first generation: there is nothing to migrate into.
             await self._close(rules.close_unplaced(incident, fault.occurred_at))
+
+    async def _fold_into_leaving(self, fault: FaultDetected) -> None:
+        """A fatal fault on a member that is leaving in a boundary migration.
+
+        Once the boundary generation is out, the leaving member no longer holds a rank, so
+        the fault hurts no placement; it still belongs to the open incident and makes its
+        migration urgent.
+        """
+        if fault.job_id is not None and fault.member_id is not None:
+            found = await self.incidents.open_for_member(fault.job_id, fault.member_id)
+            leaving = [found] if found else []
+        else:
+            leaving = await self.incidents.open_on_slot(fault.cluster, fault.node, fault.gpu)
+        for incident_id in leaving:
+            incident = await self.incidents.get(incident_id)
+            if incident is None:
+                continue
+            if await self.incidents.fold(
+                incident_id, fault.fault_id, fault.kind.value, incident.job_id, incident.rank
+            ):
+                await self._escalate(incident_id, fault)
+
+    async def _escalate(self, incident_id: str, fault: FaultDetected) -> None:
+        """A fatal fault on a rank whose migration waits for a step boundary: do it now.
+
+        The leaving rank is dead or dying, so the step in flight will not complete; the
+        executor switches the migration to immediate (same migration id, new message id).
+        """
+        record = await self.incidents.record(incident_id)
+        if record is None or record.get("mode") != MigrationMode.BOUNDARY.value:
+            return
+        incident = Incident.model_validate(record["incident"])
+        if incident.resolution != Resolution.OPEN or not incident.generation_before:
+            return
+        await self.incidents.set_mode(incident_id, MigrationMode.IMMEDIATE)
+        migration_id = record["migration_id"]
+        assert incident.rank is not None
+        assert incident.gpu is not None
+        await self.ctx.bus.publish(
+            MigrationRequested(
+                event_id=make_event_id("migration_escalated", migration_id),
+                source=SERVICE,
+                occurred_at=fault.occurred_at,
+                migration_id=migration_id,
+                incident_id=incident_id,
+                job_id=incident.job_id,
+                tenant=incident.tenant,
+                rank=incident.rank,
+                member_id=record["member_id"],
+                node=incident.node,
+                gpu=incident.gpu,
+                mode=MigrationMode.IMMEDIATE,
+                fault_kind=incident.fault_kind,
+                generation_before=incident.generation_before,
+            ),
+            Subjects.MIGRATION_REQUESTED,
+        )
+        await self.jobs.add_timeline(
+            incident.job_id,
+            fault.occurred_at,
+            {
+                "type": "migration_escalated",
+                "migration_id": migration_id,
+                "incident_id": incident_id,
+                "fault_kind": fault.kind.value,
+                "mode": "immediate",
+            },
+        )
 
     async def _close(self, closed: Incident) -> None:
         await self.incidents.close(closed)

@@ -496,3 +496,43 @@ async def test_a_spare_dying_before_it_resumed_is_replaced_and_both_failures_clo
         )
         assert await pool.in_state("reserved") == []
         assert (await pool.slot(f"local:{second.node}:{second.gpu}"))["state"] == "in_use"
+
+
+async def test_a_fatal_fault_on_the_leaving_rank_makes_a_boundary_migration_immediate(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SparePoolView,
+) -> None:
+    job = SimJob(bus, "j14")
+    async with control_plane(nats_url, redis_url, resume_timeout_s=60.0):
+        await job.start()
+        warn = job.fault(
+            FaultKind.ROW_REMAP_PENDING,
+            node="local-1",
+            gpu=1,
+            severity=Severity.WARNING,
+            action=FaultAction.MIGRATE_AT_BOUNDARY,
+        )
+        await bus.publish(warn, Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        assert gen2.mode == MigrationMode.BOUNDARY
+        # Before the step boundary comes, the leaving rank's process dies: the step in
+        # flight can never finish, so the switch must not wait for it.
+        await bus.publish(job.fault(rank=3), Subjects.FAULT_DETECTED)
+        gen3 = await job.generation(3, timeout=10)
+        assert gen3.mode == MigrationMode.IMMEDIATE
+        assert [a.member_id for a in gen3.ranks] == [a.member_id for a in gen2.ranks]
+        assert gen3.migration_id == gen2.migration_id
+        await job.resumed(gen3, {"j14-w0": {"stall_ms": 75.0, "lost_steps": 1}})
+        inc = (await incident_closed(tap, "j14")).incident
+        assert inc.resolution == Resolution.MIGRATED_LIVE  # a failure, resolved live
+        assert (inc.generation_after, inc.lost_steps) == (3, 1)
+        assert len(tap.of(IncidentOpened)) == 1
+        got = await bus.request(
+            Subjects.rpc("scheduler", "incident_get"), {"incident_id": inc.incident_id}
+        )
+        assert [f["kind"] for f in got["folded_faults"]] == ["worker_lost"]
+        assert got["mode"] == "immediate"

@@ -406,3 +406,22 @@ def test_superseded_spare_follows_the_rank_to_the_newer_generation() -> None:
     # If that generation never resumes, this saga does not touch the other one's spare.
     failed = saga.timed_out(s, T0, TIMING, "no RESUMED")
     assert (failed.phase, failed.fallback, failed.to_fence) == (Phase.FAIL, Resolution.LOST, [])
+
+
+def test_escalation_before_and_after_the_boundary_generation() -> None:
+    boundary = saga.start(
+        request(FaultKind.ROW_REMAP_PENDING, MigrationMode.BOUNDARY), JobTerms(), T0
+    )
+    early = saga.escalate(boundary, T0)
+    assert (early.phase, early.mode) == (Phase.RESERVE, MigrationMode.IMMEDIATE)
+    s = saga.reserved(boundary, lease(), T0, TIMING)
+    s = saga.published(s, gen(2, ["j-w0", "j-s0", "j-w2", "j-w3"], "m1"), T0, TIMING)
+    late = saga.escalate(s, T0)
+    assert (late.phase, late.mode) == (Phase.ESCALATE, MigrationMode.IMMEDIATE)
+    again = saga.republished(late, gen(3, ["j-w0", "j-s0", "j-w2", "j-w3"], "m1"), T0, TIMING)
+    assert (again.phase, again.generation_after) == (Phase.AWAIT_RESUME, 3)
+    # Nothing to do for an immediate migration, or once the ranks resumed.
+    assert saga.escalate(new(), T0) is not None
+    assert saga.escalate(new(), T0).mode == MigrationMode.IMMEDIATE
+    done = saga.resumed(s, ResumeStats(), T0)
+    assert saga.escalate(done, T0) is done
