@@ -73,6 +73,7 @@ SCALES = (16_384, 131_072)
 GPUS_PER_NODE = 8
 SCALE_S = 25.0
 PROBE_EVERY_S = 1.0
+MISS_AFTER_S = 10.0
 HB_JOBS = 32
 HB_RANKS = 8
 DETECTOR_REPLICAS = 2
@@ -272,7 +273,9 @@ async def _publish(nats_url: str, gpus: int, seconds: float) -> dict[str, float]
     start = time.monotonic()
     sent = hb_sent = 0
     while (elapsed := time.monotonic() - start) < seconds:
-        due = int(elapsed * batch_rate)
+        # At most 50 ms of the schedule per round: a publisher that falls behind sends less
+        # (what it achieved is reported) instead of overrunning its time.
+        due = min(int(elapsed * batch_rate), sent + max(1, batch_rate // 20))
         while sent < due:
             subject, payload = batches[sent % len(batches)]
             await nc.publish(subject, payload)
@@ -282,10 +285,12 @@ async def _publish(nats_url: str, gpus: int, seconds: float) -> dict[str, float]
             subject, payload = beats[hb_sent % len(beats)]
             await nc.publish(subject, payload)
             hb_sent += 1
-        await nc.flush()
+        with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+            await nc.flush(timeout=2)
         await asyncio.sleep(0.002)
     took = time.monotonic() - start
-    await nc.drain()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 10)
     return {
         "offered_samples_per_s": sent * GPUS_PER_NODE / took,
         "heartbeats_per_s": hb_sent / took,
@@ -315,9 +320,17 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0)
     raise RuntimeError(f"extra detector replica not ready within {timeout:.0f} s")
 
 
-async def _probe_faults(bus: Bus, job: SimJob, tap: EventTap, seconds: float) -> list[float]:
-    """XID 79 on a rank's GPU every PROBE_EVERY_S; ms from the sample to the next generation."""
+async def _probe_faults(
+    bus: Bus, job: SimJob, tap: EventTap, seconds: float
+) -> tuple[list[float], int]:
+    """XID 79 on a rank's GPU every PROBE_EVERY_S; ms from the sample to the next generation.
+
+    Returns the latencies and the number of faults that produced no generation within
+    ``MISS_AFTER_S`` (core-NATS telemetry is loss-tolerant: a replica that falls behind drops
+    batches, the critical one included).
+    """
     latencies: list[float] = []
+    missed = 0
     gen = await job.generation(1)
     deadline = time.monotonic() + seconds
     i = 0
@@ -335,18 +348,23 @@ async def _probe_faults(bus: Bus, job: SimJob, tap: EventTap, seconds: float) ->
         started = time.perf_counter()
         await bus.nc.publish(Subjects.telemetry("local", holder.node), payload)
         got = None
-        give_up = time.monotonic() + 20
+        give_up = time.monotonic() + MISS_AFTER_S
         while time.monotonic() < give_up:
             got = await bus.get_generation(job.job_id)
             if got is not None and got[0].generation > gen.generation:
                 break
             await asyncio.sleep(0.002)
         else:
-            raise RuntimeError(
-                f"XID 79 on {holder.node}/gpu{holder.gpu} (rank {holder.rank}) produced no new "
-                f"generation of {job.job_id} within 20 s under load"
-            )
-        assert got is not None
+            missed += 1
+            got = None
+        if got is None:
+            # A late generation for the missed fault must not be taken for the next one's.
+            await asyncio.sleep(2.0)
+            latest = await bus.get_generation(job.job_id)
+            if latest is not None and latest[0].generation > gen.generation:
+                gen = latest[0]
+                await job.resumed(gen)
+            continue
         latencies.append((time.perf_counter() - started) * 1000)
         gen = got[0]
         closed_before = len(tap.of(IncidentClosed))
@@ -355,7 +373,7 @@ async def _probe_faults(bus: Bus, job: SimJob, tap: EventTap, seconds: float) ->
         while len(tap.of(IncidentClosed)) <= closed_before and time.monotonic() < close_by:
             await asyncio.sleep(0.01)
         await asyncio.sleep(max(0.0, PROBE_EVERY_S - (time.monotonic() - tick)))
-    return latencies
+    return latencies, missed
 
 
 async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> dict[str, Any]:
@@ -381,9 +399,14 @@ async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> d
             stdout=asyncio.subprocess.PIPE,
         )
         t0 = time.monotonic()
-        await asyncio.sleep(2.0)  # let the load build up before the first probe
-        latencies = await _probe_faults(bus, job, tap, SCALE_S - 3.0)
-        out, _ = await asyncio.wait_for(publisher.communicate(), SCALE_S + 60)
+        try:
+            await asyncio.sleep(2.0)  # let the load build up before the first probe
+            latencies, missed = await _probe_faults(bus, job, tap, SCALE_S - 3.0)
+            out, _ = await asyncio.wait_for(publisher.communicate(), SCALE_S + 60)
+        finally:
+            if publisher.returncode is None:
+                publisher.kill()
+                await publisher.wait()
         if publisher.returncode != 0:
             raise RuntimeError(f"the telemetry publisher exited {publisher.returncode}")
         offered = json.loads(out.decode().strip().splitlines()[-1])
@@ -403,8 +426,10 @@ async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> d
         "detector_replicas": len(detector_ports),
         "evaluated_samples_per_s": sum(evaluated),
         "evaluated_per_replica": evaluated,
-        "replicas_needed": math.ceil(real_rate / per_replica) if per_replica else None,
-        "faults": len(latencies),
+        "best_per_replica": per_replica,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "faults": len(latencies) + missed,
+        "faults_missed": missed,
         "fault_to_generation_ms": {
             "p50": round(statistics.median(ordered), 1) if ordered else None,
             "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1)
@@ -416,8 +441,14 @@ async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> d
 
 
 def _at_scale() -> dict[str, Any]:
+    """Each scale on a fresh stack: one scale's backlog and spares cannot touch the next."""
+    return {str(g): _one_scale(g) for g in SCALES}
+
+
+def _one_scale(gpus: int) -> dict[str, Any]:
     from tests.bench.migration import RelayStack
 
+    print(f"  {gpus:,} GPUs: {gpus:,} samples/s offered for {SCALE_S:.0f} s ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="tr-bench-cp-scale-") as tmp:
         state = Path(tmp) / "stack"
         with RelayStack(state):
@@ -445,9 +476,7 @@ def _at_scale() -> dict[str, Any]:
                     extra.append(proc)
                     _wait_ready(port, proc)
                     ports.append(port)
-                return {
-                    str(g): asyncio.run(_scale_phase(stack["nats_url"], ports, g)) for g in SCALES
-                }
+                return asyncio.run(_scale_phase(stack["nats_url"], ports, gpus))
             finally:
                 for proc in extra:
                     proc.terminate()
@@ -479,6 +508,15 @@ def run() -> dict[str, Any]:
         r = result[key]
         print(f"  {key:24} {r['p50_ms']:8.1f} {r['p95_ms']:8.1f} {r['max_ms']:8.1f}")
     scales = _at_scale()
+    # A replica's capacity is the most samples/s one evaluated at any scale (an overloaded
+    # replica is cut off as a slow consumer and evaluates less, so the overloaded runs
+    # understate it); the replicas a scale needs follow from its real rate.
+    capacity = max(row["best_per_replica"] for row in scales.values())
+    for row in scales.values():
+        row["replica_capacity_samples_per_s"] = capacity
+        row["replicas_needed"] = (
+            math.ceil(row["real_samples_per_s"] / capacity) if capacity else None
+        )
     result["scales"] = scales
     print(
         f"at cluster scale ({DETECTOR_REPLICAS} detector replicas, every service a process, "
@@ -486,14 +524,15 @@ def run() -> dict[str, Any]:
     )
     print(
         f"  {'GPUs':>8} {'offered/s':>10} {'evaluated/s':>11} {'per replica':>11} "
-        f"{'replicas needed':>15} {'faults':>6} {'p50 ms':>7} {'p99 ms':>7}"
+        f"{'replicas needed':>15} {'faults':>6} {'missed':>6} {'p50 ms':>7} {'p99 ms':>7}"
     )
     for row in scales.values():
         lat = row["fault_to_generation_ms"]
         print(
             f"  {row['gpus']:>8,} {row['offered']['offered_samples_per_s']:>10,.0f} "
             f"{row['evaluated_samples_per_s']:>11,.0f} {max(row['evaluated_per_replica']):>11,.0f} "
-            f"{row['replicas_needed']!s:>15} {row['faults']:>6} {lat['p50']!s:>7} {lat['p99']!s:>7}"
+            f"{row['replicas_needed']!s:>15} {row['faults']:>6} {row['faults_missed']:>6} "
+            f"{lat['p50']!s:>7} {lat['p99']!s:>7}"
         )
     big = scales[str(SCALES[-1])]
     result["summary"] = (
