@@ -19,8 +19,9 @@ on the GPU of a rank of a (simulated-agent) job; the latency is from publishing 
 the job's next generation being readable in the KV bucket the agents watch, through the
 detector, the scheduler, the spare pool and the executor. The detectors' own counters
 (``detector_samples_total``) give the samples per second they evaluated; the replicas the
-real rate needs are ``ceil(offered rate / evaluated rate per replica)``, which is a floor when
-the replicas share this 2-core machine with the publisher and the other services.
+real rate needs are ``ceil(real rate / best samples/s one replica evaluated)``: an upper
+bound, as the replicas share this 2-core machine with the publisher and every other service,
+and a replica offered more than it can take is cut off as a slow consumer.
 Every server and client is on 127.0.0.1.
 """
 
