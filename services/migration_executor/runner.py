@@ -177,15 +177,7 @@ class SagaRunner:
             await self.store.escalation_done(state.migration_id)
             if escalated is not state:
                 return escalated
-        if state.phase in (
-            Phase.RESERVE,
-            Phase.WAIT_SPARE,
-            Phase.SPAWN,
-            Phase.AWAIT_JOIN,
-            Phase.PUBLISH,
-            Phase.AWAIT_RESUME,
-            Phase.SHRINK,
-        ) and await self.store.finished(state.job_id):
+        if state.phase in saga.ABORTABLE and await self.store.finished(state.job_id):
             return await self._save(saga.aborted(state, now, "the job finished"))
         if saga.waiting_for(state, now):
             return None

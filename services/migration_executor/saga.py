@@ -53,7 +53,7 @@ class Phase(StrEnum):
 
 TERMINAL = frozenset({Phase.DONE})
 # Phases during which a job's end makes the saga moot (nothing of g+1 is committed yet).
-_ABORTABLE = frozenset(
+ABORTABLE = frozenset(
     {
         Phase.RESERVE,
         Phase.WAIT_SPARE,
@@ -61,6 +61,7 @@ _ABORTABLE = frozenset(
         Phase.AWAIT_JOIN,
         Phase.PUBLISH,
         Phase.AWAIT_RESUME,
+        Phase.ESCALATE,
         Phase.SHRINK,
     }
 )
@@ -494,7 +495,7 @@ def timed_out(state: SagaState, now: datetime, timing: Timing, reason: str) -> S
 
 def aborted(state: SagaState, now: datetime, reason: str) -> SagaState:
     """The job ended while the migration was under way: release what was taken."""
-    if state.phase not in _ABORTABLE:
+    if state.phase not in ABORTABLE:
         return state
     return fail(state, Resolution.LOST, now, reason)
 
