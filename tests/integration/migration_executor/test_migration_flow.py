@@ -20,6 +20,7 @@ from torchrelay.contract import (
     GenerationChanged,
     IncidentClosed,
     IncidentOpened,
+    JobFinished,
     JobPolicy,
     Member,
     MigrationCompleted,
@@ -536,3 +537,41 @@ async def test_a_fatal_fault_on_the_leaving_rank_makes_a_boundary_migration_imme
         )
         assert [f["kind"] for f in got["folded_faults"]] == ["worker_lost"]
         assert got["mode"] == "immediate"
+
+
+async def test_a_job_that_ends_during_the_wait_closes_its_incident_as_lost(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SparePoolView,
+) -> None:
+    job = SimJob(bus, "j15", spares=0, policy=JobPolicy.WAIT, wait_timeout_s=60)
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=2), Subjects.FAULT_DETECTED)
+
+        async def waiting() -> bool:
+            sagas = await bus.request(
+                Subjects.rpc("migration_executor", "saga_list"), {"job_id": "j15"}
+            )
+            return [s["phase"] for s in sagas["items"]] == ["wait_spare"]
+
+        await wait_until(waiting, what="the saga waiting for a spare")
+        # The launcher gives up on the job (its own bound) before a spare comes.
+        await bus.publish(
+            JobFinished(
+                event_id="fin-j15",
+                source="launcher",
+                job_id="j15",
+                tenant="acme",
+                outcome="failed",
+                exit_code=1,
+            ),
+            Subjects.JOB_FINISHED,
+        )
+        inc = (await incident_closed(tap, "j15")).incident
+        assert inc.resolution == Resolution.LOST
+        failed = await tap.wait(MigrationFailed, job_id="j15")
+        assert "finished" in failed.reason
