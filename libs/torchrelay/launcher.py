@@ -91,9 +91,11 @@ def classify_exit(code: int, record: dict[str, Any] | None) -> str:
     """What a child's exit means: ``finished``, ``fenced``, ``application_error`` or ``lost``.
 
     Exit 1 counts as an application error only with the agent's exit record; any other
-    code, or a signal (negative code), means the worker was lost.
+    code, or a signal (negative code), means the worker was lost -- unless the agent's
+    record says it had finished training (``job.finish()`` ran): a process that dies on its
+    way out after the last step lost nothing.
     """
-    if code == EXIT_OK:
+    if code == EXIT_OK or (record is not None and record.get("kind") == "finished"):
         return "finished"
     if code == EXIT_FENCED:
         return "fenced"
@@ -465,6 +467,11 @@ class Launcher:
                 return "succeeded", (
                     f"all {current.world_size} ranks finished in generation {current.generation}"
                 )
+            # Ranks finish only together (they agree on the last step), so world_size
+            # finished members mean the job is done even if a newer generation was written
+            # for a rank that had already finished.
+            if sum(c.outcome == "finished" for c in kids) >= current.world_size:
+                return "succeeded", f"{current.world_size} ranks finished the last step"
         bound = self.opts.wait_timeout_s + GIVE_UP_MARGIN_S
         now = time.monotonic()
         for c in kids:

@@ -134,6 +134,9 @@ class Backend:
             # the process when an abandoned collective times out.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+            # An aborted (abandoned) communicator must not trip the watchdog's heartbeat
+            # monitor, which would kill the process.
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
             return cls("nccl", torch.device("cuda", index), timeout_s, host)
         return cls("gloo", torch.device("cpu"), timeout_s, host)
 

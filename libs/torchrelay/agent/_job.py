@@ -545,6 +545,8 @@ class Job:
         if self._finished:
             return
         self._finished = True
+        # Tells the launcher this member completed training, whatever its exit code.
+        self._write_exit_record({"kind": "finished", "step": self._committed})
         self._report(
             ReportKind.FINISHED,
             generation=self.generation,
@@ -632,6 +634,12 @@ class Job:
         print(f"torchrelay: {self.member_id} fenced: {why}", file=sys.stderr, flush=True)
         _hard_exit(EXIT_FENCED)
 
+    def _write_exit_record(self, record: dict[str, Any]) -> None:
+        """``<RUN_DIR>/<member_id>.exit.json``: what the launcher reads when we exit."""
+        with contextlib.suppress(OSError):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / f"{self.member_id}.exit.json").write_text(json.dumps(record))
+
     def _install_exit_hooks(self) -> None:
         previous = sys.excepthook
 
@@ -642,11 +650,7 @@ class Job:
                 previous(exc_type, exc, tb)
                 _hard_exit(130)
             text = "".join(traceback.format_exception(exc_type, exc, tb))
-            with contextlib.suppress(OSError):
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / f"{self.member_id}.exit.json").write_text(
-                    json.dumps({"kind": "application_error", "error": text[-8000:]})
-                )
+            self._write_exit_record({"kind": "application_error", "error": text[-8000:]})
             with contextlib.suppress(Exception):
                 self._report(
                     ReportKind.APPLICATION_ERROR,

@@ -27,6 +27,8 @@ def test_exit_codes_say_what_happened() -> None:
     assert classify_exit(1, record) == "application_error"
     assert classify_exit(1, None) == "lost"  # no exit record: not the user's exception
     assert classify_exit(-9, None) == "lost"
+    # Killed on its way out after job.finish(): training was complete, nothing to migrate.
+    assert classify_exit(-9, {"kind": "finished", "step": 99}) == "finished"
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(3) == "exit code 3"
 
