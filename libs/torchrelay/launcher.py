@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -163,6 +164,7 @@ class Options:
     run_dir: Path
     credentials: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    node_agents: bool = True
 
 
 class Launcher:
@@ -178,7 +180,7 @@ class Launcher:
         self._interrupted: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
-        self._migrations = 0
+        self._node_agents: list[asyncio.subprocess.Process] = []
 
     @property
     def bus(self) -> Bus:
@@ -220,6 +222,58 @@ class Launcher:
         child = Child(f"{self.opts.job_id}-s{self._next_spare}", Role.SPARE, node, gpu)
         self._next_spare += 1
         return child
+
+    async def _start_node_agents(self) -> None:
+        """One detector node agent per simulated node, simulator backend (INTERFACES.md).
+
+        They make ``torchrelay chaos xid|ecc|...`` reach the job's slots. Skipped, with a
+        note, where the detector service's code is not installed.
+        """
+        o = self.opts
+        if not o.node_agents:
+            return
+        if importlib.util.find_spec("services.detector") is None:
+            print(
+                "torchrelay run: note: services.detector is not installed; no simulated "
+                "node agents (chaos xid/ecc/... will find no node)",
+                file=sys.stderr,
+            )
+            return
+        total = o.nproc + o.spares
+        gpus = max(8, -(-total // o.nodes) + 2)  # room for cold spares spawned later
+        env = {**os.environ, "NATS_URL": o.nats_url, "TORCHRELAY_CLUSTER": o.cluster}
+        for k in range(o.nodes):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "services.detector",
+                "agent",
+                "--node",
+                f"{o.cluster}-{k}",
+                "--cluster",
+                o.cluster,
+                "--backend",
+                "sim",
+                "--gpus",
+                str(gpus),
+                env=env,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            self._node_agents.append(proc)
+
+    async def _stop_node_agents(self) -> None:
+        for proc in self._node_agents:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+        for proc in self._node_agents:
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
 
     async def _spawn_all(self) -> None:
         o = self.opts
@@ -518,6 +572,7 @@ class Launcher:
             for verb, handler in (("spawn_spare", self._on_spawn_spare), ("pid", self._on_pid)):
                 await self._serve(Subjects.launcher(o.job_id, verb), handler)
             await self._serve(Subjects.fence(o.job_id), self._on_fence)
+            await self._start_node_agents()
             await self._spawn_all()
             (o.run_dir / "launcher.json").write_text(
                 json.dumps(
@@ -540,6 +595,7 @@ class Launcher:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
             await self._stop_all(grace_s=2.0)
+            await self._stop_node_agents()
             for sub in self._subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -619,6 +675,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         cluster=cluster,
         run_dir=(home / "runs" / job_id).resolve(),
         credentials=os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None,
+        node_agents=not getattr(args, "no_node_agents", False),
     )
 
 

@@ -215,6 +215,7 @@ class LaunchedJob:
         nodes: int = 1,
         script: Path = TRAIN_SCRIPT,
         wait_timeout: float = 30.0,
+        node_agents: bool = False,
     ) -> None:
         self.job_id = job_id
         self.home = home
@@ -240,6 +241,7 @@ class LaunchedJob:
             str(nodes),
             "--wait-timeout",
             str(wait_timeout),
+            *([] if node_agents else ["--no-node-agents"]),
             str(script),
         ]
         self._out = self.log.open("wb")
