@@ -391,9 +391,20 @@ def confirmed(state: SagaState, now: datetime) -> SagaState:
     return _move(state, Phase.QUARANTINE, now)
 
 
+# The fault kinds whose action in DESIGN.md §5 includes quarantine: the GPU itself is bad.
+QUARANTINE_KINDS = frozenset(
+    {FaultKind.GPU_LOST, FaultKind.UNCORRECTABLE_MEMORY, FaultKind.MEMORY_UNREPAIRABLE}
+)
+
+
 def should_quarantine(kind: FaultKind) -> bool:
-    """A planned drain leaves a healthy slot: the operator takes it, not the quarantine."""
-    return kind != FaultKind.PLANNED_DRAIN
+    """Whether the failed slot leaves service after the migration (DESIGN.md §5's table).
+
+    A lost or hung process, a straggler or a warning that a reset clears says nothing bad
+    about the GPU (the detector escalates repeats and lemons itself, through node health);
+    a planned drain leaves a healthy slot, which the drain has already taken out.
+    """
+    return kind in QUARANTINE_KINDS
 
 
 def quarantined(state: SagaState, now: datetime) -> SagaState:

@@ -99,9 +99,10 @@ async def test_worker_lost_migrates_live_to_the_hot_spare(
         spare = await pool.slot("local:local-2:0")
         assert (spare["state"], spare["job_id"]) == ("in_use", "j1")  # confirmed
         assert await pool.in_state("reserved") == []  # no lease left dangling
-        # The failed slot is out of service: a spare offered there starts quarantined.
+        # A killed process says nothing about its GPU: the slot stays in service.
         await pool.register(SpareSlot(slot_id="local:local-1:0", node="local-1", gpu=0))
-        assert (await pool.slot("local:local-1:0"))["state"] == "quarantined"
+        assert (await pool.slot("local:local-1:0"))["state"] == "idle"
+        assert pool.quarantines() == []
         assert len(tap.of(IncidentOpened)) == 1
         assert {e.generation for e in tap.of(GenerationChanged, job_id="j1")} == {1, 2}
 
@@ -575,3 +576,30 @@ async def test_a_job_that_ends_during_the_wait_closes_its_incident_as_lost(
         assert inc.resolution == Resolution.LOST
         failed = await tap.wait(MigrationFailed, job_id="j15")
         assert "finished" in failed.reason
+
+
+async def test_a_lost_gpu_is_migrated_live_and_its_slot_quarantined(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SparePoolView,
+) -> None:
+    job = SimJob(bus, "j16")
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        # XID 79 on the GPU of rank 2 (local-0, gpu 1), from the node agent: no job named.
+        await bus.publish(
+            job.fault(FaultKind.GPU_LOST, node="local-0", gpu=1, action=FaultAction.QUARANTINE),
+            Subjects.FAULT_DETECTED,
+        )
+        gen2 = await job.generation(2)
+        assert gen2.mode == MigrationMode.IMMEDIATE
+        assert gen2.ranks[2].member_id == "j16-s0"
+        await job.resumed(gen2)
+        inc = (await incident_closed(tap, "j16")).incident
+        assert (inc.resolution, inc.fault_kind) == (Resolution.MIGRATED_LIVE, FaultKind.GPU_LOST)
+        # The GPU is out of service: a spare offered there starts quarantined.
+        await pool.register(SpareSlot(slot_id="local:local-0:1", node="local-0", gpu=1))
+        assert (await pool.slot("local:local-0:1"))["state"] == "quarantined"

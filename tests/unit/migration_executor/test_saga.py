@@ -245,9 +245,20 @@ def test_abort_only_before_the_new_generation_is_committed() -> None:
     assert saga.aborted(c, T0, "the job finished") is c
 
 
-def test_drain_leaves_the_slot_out_of_quarantine() -> None:
-    assert not saga.should_quarantine(FaultKind.PLANNED_DRAIN)
-    assert saga.should_quarantine(FaultKind.GPU_LOST)
+@pytest.mark.parametrize(
+    ("kind", "quarantine"),
+    [
+        (FaultKind.GPU_LOST, True),
+        (FaultKind.UNCORRECTABLE_MEMORY, True),
+        (FaultKind.MEMORY_UNREPAIRABLE, True),
+        (FaultKind.WORKER_LOST, False),  # a killed process says nothing about its GPU
+        (FaultKind.WORKER_HANG, False),
+        (FaultKind.ROW_REMAP_PENDING, False),  # cleared by a reset; repeats are the detector's
+        (FaultKind.PLANNED_DRAIN, False),
+    ],
+)
+def test_only_a_bad_gpu_is_quarantined(kind: FaultKind, quarantine: bool) -> None:
+    assert saga.should_quarantine(kind) is quarantine
 
 
 def test_state_survives_persistence() -> None:
