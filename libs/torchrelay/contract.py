@@ -70,6 +70,7 @@ class Subjects:
     CREDIT_ISSUED = "tr.evt.credit.issued"
     AGENT_REPORTS_ALL = "tr.evt.report.>"
     TELEMETRY_ALL = "tr.tel.>"
+    TELEMETRY_CRITICAL_ALL = "tr.crit.>"
     HEARTBEATS_ALL = "tr.hb.>"
     DLQ_ALL = "tr.dlq.>"
     FENCE_ALL = "tr.ctl.fence.>"
@@ -83,6 +84,12 @@ class Subjects:
     def telemetry(cluster: str, node: str) -> str:
         """Core-NATS telemetry batches of one node."""
         return f"tr.tel.{cluster}.{node}"
+
+    @staticmethod
+    def telemetry_critical(cluster: str, node: str) -> str:
+        """Core-NATS critical telemetry (XIDs, lost GPUs) of one node, a ``TelemetryBatch``
+        with ``critical=True``; apart from the routine batches so it never queues behind them."""
+        return f"tr.crit.{cluster}.{node}"
 
     @staticmethod
     def heartbeat(job_id: str) -> str:
@@ -839,7 +846,7 @@ def model_for_subject(subject: str) -> type[Event] | None:
         return _STREAM_MODELS[subject]
     if subject.startswith("tr.evt.report."):
         return AgentReport
-    if subject.startswith("tr.tel."):
+    if subject.startswith(("tr.tel.", "tr.crit.")):
         return TelemetryBatch
     if subject.startswith("tr.hb."):
         return Heartbeat

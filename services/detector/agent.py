@@ -3,8 +3,9 @@
 A polling loop publishes one ``TelemetryBatch`` per interval on ``tr.tel.<cluster>.<node>``
 (core NATS). Each backend also gets an event thread blocked in ``wait_events``: XIDs and
 other critical events are published the moment they arrive, as a batch with
-``critical=True``. With the simulator backend the agent answers live fault injection on
-``tr.ctl.chaos.<cluster>.<node>`` (``torchrelay chaos xid|ecc|thermal|remap|nvlink|slow``).
+``critical=True`` on ``tr.crit.<cluster>.<node>``. With the simulator backend the agent
+answers live fault injection on ``tr.ctl.chaos.<cluster>.<node>``
+(``torchrelay chaos xid|ecc|thermal|remap|nvlink|slow``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class NodeAgent:
         self.interval_s = interval_s
         self.event_timeout_s = event_timeout_s
         self.subject = Subjects.telemetry(cluster, node)
+        self.critical_subject = Subjects.telemetry_critical(cluster, node)
         self._halt = threading.Event()
         self._poll_now = asyncio.Event()
         self.ready = asyncio.Event()  # set once polling and the chaos subscription run
@@ -89,7 +91,8 @@ class NodeAgent:
                 samples=samples[start : start + MAX_BATCH],
                 critical=critical,
             )
-            await self.bus.publish_core(self.subject, batch)
+            # Critical events go on their own subject: they never queue behind routine batches.
+            await self.bus.publish_core(self.critical_subject if critical else self.subject, batch)
             self.published_batches += 1
 
     def _event_thread(self, backend: TelemetryBackend, loop: asyncio.AbstractEventLoop) -> None:

@@ -41,7 +41,7 @@ from services.detector.state import (
     NodeRegistry,
     SlotHolder,
 )
-from torchrelay.bus import Delivery, NotFound, validation_message
+from torchrelay.bus import Bus, Delivery, NotFound, validation_message
 from torchrelay.contract import (
     AgentReport,
     Event,
@@ -69,6 +69,7 @@ SERVICE = "detector"
 QUEUE_GROUP = "detector"
 # Internal subject on which a replica hands a batch to the replica that owns its node/job.
 FORWARD_PREFIX = "tr.int.detector"
+FORWARD_PREFIX_CRITICAL = "tr.int.detector-critical"
 FORWARD_SUBJECT_HEADER = "Tr-Subject"
 INVENTORY_SILENT_S = 30.0
 MAX_QUEUED_BATCHES = 50_000
@@ -194,6 +195,24 @@ class Detector:
             Subjects.HEARTBEATS_ALL, self._on_heartbeat, queue=QUEUE_GROUP
         )
         await self.bus.subscribe_core(f"{FORWARD_PREFIX}.{rid}.>", self._on_forwarded)
+        # Critical telemetry on a connection of its own: on the shared one an XID would wait
+        # behind every routine batch already in the socket and the server's send buffer.
+        settings = self.settings
+        creds = str(settings.nats_credentials) if settings.nats_credentials else None
+        self.critical_bus = await Bus.connect(
+            settings.nats_url,
+            f"{SERVICE}-critical",
+            credentials=creds,
+            timeout=settings.connect_timeout_s,
+            metrics=ctx.metrics,
+        )
+        ctx.closers.append(self.critical_bus.close)
+        await self.critical_bus.subscribe_core(
+            Subjects.TELEMETRY_CRITICAL_ALL, self._on_critical, queue=QUEUE_GROUP
+        )
+        await self.critical_bus.subscribe_core(
+            f"{FORWARD_PREFIX_CRITICAL}.{rid}", self._on_forwarded_critical
+        )
         await ctx.consume("detector-reports", self.handle_report)
         for verb, handler in (
             ("cluster_list", self.rpc_cluster_list),
@@ -238,14 +257,40 @@ class Detector:
             return
         self._enqueue(msg.subject, msg.data, msg.headers)
 
-    def _enqueue(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+    async def _on_critical(self, msg: Msg) -> None:
+        # Same owner as the node's routine telemetry (its GPUs' state lives there).
+        cluster_node = msg.subject.removeprefix("tr.crit.")
+        owner = self.membership.owner(f"tr.tel.{cluster_node}")
+        if owner != self.membership.replica_id:
+            headers = dict(msg.headers or {})
+            headers[FORWARD_SUBJECT_HEADER] = msg.subject
+            await self.critical_bus.nc.publish(
+                f"{FORWARD_PREFIX_CRITICAL}.{owner}", msg.data, headers=headers
+            )
+            self.m_forwarded.labels("crit").inc()
+            return
+        self._enqueue(msg.subject, msg.data, msg.headers, critical=True)
+
+    async def _on_forwarded_critical(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        subject = headers.pop(FORWARD_SUBJECT_HEADER, msg.subject)
+        self._enqueue(subject, msg.data, headers, critical=True)
+
+    def _enqueue(
+        self,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str] | None,
+        *,
+        critical: bool = False,
+    ) -> None:
         """Queue a batch for the telemetry worker; critical batches (XIDs) jump the queue.
 
         Telemetry is loss-tolerant (core NATS): when the backlog is full the oldest routine
         batch is dropped and counted, never a critical one.
         """
         item = (subject, data, headers or {})
-        if _CRITICAL in data or _CRITICAL_SPACED in data:
+        if critical or _CRITICAL in data or _CRITICAL_SPACED in data:
             self._critical.append(item)
         else:
             if len(self._routine) >= MAX_QUEUED_BATCHES:
@@ -298,8 +343,12 @@ class Detector:
             text, _ = validation_message(exc)
             await self.bus.dead_letter(subject, data, f"invalid TelemetryBatch: {text}", headers)
             return
-        expected = Subjects.telemetry(batch.cluster, batch.node)
-        if subject.startswith("tr.tel.") and subject != expected:
+        expected = (
+            Subjects.telemetry_critical(batch.cluster, batch.node)
+            if subject.startswith("tr.crit.")
+            else Subjects.telemetry(batch.cluster, batch.node)
+        )
+        if subject.startswith(("tr.tel.", "tr.crit.")) and subject != expected:
             await self.bus.dead_letter(
                 subject,
                 data,

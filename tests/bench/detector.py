@@ -36,7 +36,7 @@ import httpx
 
 from services.detector.rules import DetectorConfig, GpuWindows, evaluate_sample
 from torchrelay.bus import Bus
-from torchrelay.contract import FaultDetected, Subjects, TelemetryBatch, TelemetrySample
+from torchrelay.contract import Subjects, TelemetryBatch, TelemetrySample
 from torchrelay.runtime import free_port, nats_server, redis_server
 
 NODES = 2000
@@ -227,16 +227,57 @@ async def _capacity(
     return best, done / max(cpu, 1e-9)
 
 
-async def _latency_at(bus: Bus, rate_samples_s: float) -> tuple[list[float], float]:
-    arrivals: dict[tuple[str, int], float] = {}
+# A separate process timestamps the faults, so that this process's own publishing loop does
+# not add to the latency it measures.
+LISTENER = r"""
+import asyncio, json, sys, time
+import nats
 
-    async def on_fault(msg: Any) -> None:
-        f = FaultDetected.model_validate_json(msg.data)
-        if f.gpu is not None and f.gpu >= GPUS:
-            arrivals[(f.node, f.gpu)] = time.time()
+async def main():
+    nc = await nats.connect(sys.argv[1])
 
+    async def on_fault(msg):
+        t = time.time()
+        d = json.loads(msg.data)
+        sys.stdout.write(f"{d['node']} {d.get('gpu')} {t}\n")
+        sys.stdout.flush()
+
+    await nc.subscribe("tr.evt.fault.detected", cb=on_fault)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _start_listener(url: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTENER, url], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("the fault listener did not start")
+    return proc
+
+
+def _arrivals(proc: subprocess.Popen[str]) -> dict[tuple[str, int], float]:
+    proc.terminate()
+    out, _ = proc.communicate(timeout=10)
+    got: dict[tuple[str, int], float] = {}
+    for line in out.splitlines():
+        node, gpu, t = line.split()
+        if gpu != "None":
+            got.setdefault((node, int(gpu)), float(t))
+    return got
+
+
+async def _latency_at(
+    bus: Bus, rate_samples_s: float
+) -> tuple[dict[tuple[str, int], float], float]:
+    """Pace telemetry at ``rate_samples_s`` and inject an XID every 50 ms on a new GPU;
+    returns when each probe was sent and the load achieved."""
     global _PROBES
-    await bus.subscribe_core(Subjects.FAULT_DETECTED, on_fault)
     msgs_per_s = rate_samples_s / GPUS
     sent_at: dict[tuple[str, int], float] = {}
     start = time.monotonic()
@@ -255,7 +296,7 @@ async def _latency_at(bus: Bus, rate_samples_s: float) -> tuple[list[float], flo
             at = time.time()
             sent_at[(node, gpu)] = at
             await bus.nc.publish(
-                Subjects.telemetry(CLUSTER, node),
+                Subjects.telemetry_critical(CLUSTER, node),  # as the node agent publishes XIDs
                 _batch(node, at, critical=True, samples=[_sample(node, gpu, at, xid=79)]),
             )
             probe += 1
@@ -264,13 +305,16 @@ async def _latency_at(bus: Bus, rate_samples_s: float) -> tuple[list[float], flo
         await asyncio.sleep(max(0.0, 0.005 - (time.time() - ts)))
     achieved = sent * GPUS / (time.monotonic() - start)
     _PROBES = probe
-    deadline = time.monotonic() + 10
-    while len(arrivals) < len(sent_at) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+    return sent_at, achieved
+
+
+def _latencies(
+    sent_at: dict[tuple[str, int], float], arrivals: dict[tuple[str, int], float]
+) -> list[float]:
     lat = [arrivals[k] - sent_at[k] for k in sent_at if k in arrivals]
     if len(lat) < len(sent_at):
         print(f"  {len(sent_at) - len(lat)} of {len(sent_at)} probe faults never arrived")
-    return lat, achieved
+    return lat
 
 
 _BATCHES: list[bytes] = []
@@ -314,8 +358,15 @@ async def _main() -> dict[str, Any]:
                 await _wait_ready(client, port, proc)
                 capacity, per_core = await _capacity(bus, client, port, proc.pid)
                 base = capacity or 2000.0
-                latencies, achieved = await _latency_at(bus, 0.9 * base)
-                half, _ = await _latency_at(bus, 0.5 * base)
+                listener = _start_listener(nats.url)
+                try:
+                    sent_full, achieved = await _latency_at(bus, 0.9 * base)
+                    sent_half, _ = await _latency_at(bus, 0.5 * base)
+                    await asyncio.sleep(2.0)  # the last probes' faults come in
+                finally:
+                    arrivals = _arrivals(listener)
+                latencies = _latencies(sent_full, arrivals)
+                half = _latencies(sent_half, arrivals)
         finally:
             await bus.close()
             proc.terminate()

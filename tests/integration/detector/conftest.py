@@ -145,7 +145,9 @@ async def send(
         samples=samples,
         critical=critical,
     )
-    await bus.publish_core(Subjects.telemetry(cluster, node), batch)
+    # As the node agent does: critical batches on their own subject.
+    subject = (Subjects.telemetry_critical if critical else Subjects.telemetry)(cluster, node)
+    await bus.publish_core(subject, batch)
 
 
 async def register_job(
