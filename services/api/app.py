@@ -24,7 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import AwareDatetime
+from pydantic import AwareDatetime, BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api.auth import Principal, TokenStore, new_token
@@ -92,6 +92,16 @@ ObjectId = Annotated[str, Path(pattern=ID_PATTERN, max_length=128)]
 ClusterQ = Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=128)]
 TenantQ = Annotated[str | None, Query(pattern=TOKEN_PATTERN, max_length=128)]
 
+# Parametrized once: building Page[X] per request costs a class lookup every time.
+ClusterViewPage = Page[ClusterView]
+NodeViewPage = Page[NodeView]
+SpareSlotPage = Page[SpareSlot]
+SpareDepthPage = Page[SpareDepth]
+JobViewPage = Page[JobView]
+IncidentPage = Page[Incident]
+ContractPage = Page[Contract]
+CreditViewPage = Page[CreditView]
+
 _bearer = HTTPBearer(
     auto_error=False,
     scheme_name="bearer",
@@ -153,6 +163,12 @@ def tenant_filter(principal: Principal, requested: str | None) -> tuple[str | No
     return principal.tenant, True
 
 
+def _json(model: BaseModel) -> Response:
+    """A model as a JSON response, serialised once (the hot list routes skip FastAPI's
+    re-validation of an already validated model)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 # --------------------------------------------------------------------------- app state
 
 
@@ -193,7 +209,7 @@ def state_of(request: Request) -> ApiState:
     return st
 
 
-def gateway(request: Request) -> Gateway:
+async def gateway(request: Request) -> Gateway:
     return state_of(request).require()[0]
 
 
@@ -306,12 +322,12 @@ def _add_routes(app: FastAPI) -> None:
     @app.get(
         f"{v1}/clusters",
         tags=["fleet"],
-        response_model=Page[ClusterView],
+        response_model=ClusterViewPage,
         summary="clusters with node and spare counts",
     )
     async def list_clusters(
         gw: Gw, _: Operator, limit: Limit = DEFAULT_LIMIT, cursor: Cursor = None
-    ) -> Page[ClusterView]:
+    ) -> ClusterViewPage:
         clusters_raw, depth_raw = await asyncio.gather(
             gw.call("detector", "cluster_list", {}), gw.call("spare_pool", "depth", {})
         )
@@ -321,12 +337,12 @@ def _add_routes(app: FastAPI) -> None:
         parse_list(ClusterView, clusters, "detector", "cluster_list")
         merged = merge_clusters(clusters, depth)
         items, nxt = page_locally(merged, limit, cursor)
-        return Page[ClusterView](items=items, next_cursor=nxt)
+        return ClusterViewPage(items=items, next_cursor=nxt)
 
     @app.get(
         f"{v1}/nodes",
         tags=["fleet"],
-        response_model=Page[NodeView],
+        response_model=NodeViewPage,
         summary="nodes with health, lemon score and GPUs",
     )
     async def list_nodes(
@@ -335,13 +351,13 @@ def _add_routes(app: FastAPI) -> None:
         cluster: ClusterQ = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
-    ) -> Page[NodeView]:
+    ) -> NodeViewPage:
         raw, _n = items_of(
             await gw.call("detector", "node_list", {"cluster": cluster}), "detector", "node_list"
         )
         nodes = parse_list(NodeView, raw, "detector", "node_list")
         items, nxt = page_locally(nodes, limit, cursor)
-        return Page[NodeView](items=items, next_cursor=nxt)
+        return NodeViewPage(items=items, next_cursor=nxt)
 
     @app.get(f"{v1}/nodes/{{node}}", tags=["fleet"], response_model=NodeView, summary="one node")
     async def get_node(gw: Gw, _: Operator, node: NodeName) -> NodeView:
@@ -400,7 +416,7 @@ def _add_routes(app: FastAPI) -> None:
         return NodeReturned(node=node, detector=detector, spare_pool=pool)
 
     @app.get(
-        f"{v1}/spares", tags=["spares"], response_model=Page[SpareSlot], summary="spare inventory"
+        f"{v1}/spares", tags=["spares"], response_model=SpareSlotPage, summary="spare inventory"
     )
     async def list_spares(
         gw: Gw,
@@ -409,7 +425,7 @@ def _add_routes(app: FastAPI) -> None:
         state: SpareState | None = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
-    ) -> Page[SpareSlot]:
+    ) -> SpareSlotPage:
         data = await gw.call(
             "spare_pool",
             "list",
@@ -424,7 +440,7 @@ def _add_routes(app: FastAPI) -> None:
         slots = parse_list(SpareSlot, raw, "spare_pool", "list")
         if isinstance(data, list):
             slots, nxt = page_locally(slots, limit, cursor)
-        return Page[SpareSlot](items=slots, next_cursor=nxt)
+        return SpareSlotPage(items=slots, next_cursor=nxt)
 
     @app.post(
         f"{v1}/spares",
@@ -442,7 +458,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get(
         f"{v1}/spares/depth",
         tags=["spares"],
-        response_model=Page[SpareDepth],
+        response_model=SpareDepthPage,
         summary="spares available per NVLink domain, against its floor",
     )
     async def spare_depth(
@@ -451,13 +467,13 @@ def _add_routes(app: FastAPI) -> None:
         cluster: ClusterQ = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
-    ) -> Page[SpareDepth]:
+    ) -> SpareDepthPage:
         raw, _n = items_of(
             await gw.call("spare_pool", "depth", {"cluster": cluster}), "spare_pool", "depth"
         )
         depth = parse_list(SpareDepth, raw, "spare_pool", "depth")
         items, nxt = page_locally(depth, limit, cursor)
-        return Page[SpareDepth](items=items, next_cursor=nxt)
+        return SpareDepthPage(items=items, next_cursor=nxt)
 
     @app.get(
         f"{v1}/spares/{{slot_id}}",
@@ -479,7 +495,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get(
         f"{v1}/jobs",
         tags=["jobs"],
-        response_model=Page[JobView],
+        response_model=JobViewPage,
         summary="jobs (a tenant token sees its own)",
     )
     async def list_jobs(
@@ -488,16 +504,16 @@ def _add_routes(app: FastAPI) -> None:
         tenant: TenantQ = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
-    ) -> Page[JobView]:
+    ) -> JobViewPage:
         tenant, visible = tenant_filter(who, tenant)
         if not visible:
-            return Page[JobView](items=[], next_cursor=None)
+            return JobViewPage(items=[], next_cursor=None)
         data = await gw.call(
             "scheduler", "job_list", {"tenant": tenant, "limit": limit, "cursor": cursor}
         )
         raw, nxt = items_of(data, "scheduler", "job_list")
         jobs = owned(parse_list(JobView, raw, "scheduler", "job_list"), who)
-        return Page[JobView](items=jobs, next_cursor=nxt)
+        return JobViewPage(items=jobs, next_cursor=nxt)
 
     async def _job(gw: Gateway, who: Principal, job_id: str) -> JobView:
         missing = not_found("job", job_id, "job_id")
@@ -535,7 +551,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get(
         f"{v1}/incidents",
         tags=["incidents"],
-        response_model=Page[Incident],
+        response_model=IncidentPage,
         summary="incidents, newest first (a tenant token sees its own)",
     )
     async def list_incidents(
@@ -548,12 +564,12 @@ def _add_routes(app: FastAPI) -> None:
         to: AwareDatetime | None = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
-    ) -> Page[Incident]:
+    ) -> Response:
         if from_ is not None and to is not None and to < from_:
             raise invalid("to", "must not be before from")
         tenant, visible = tenant_filter(who, tenant)
         if not visible:
-            return Page[Incident](items=[], next_cursor=None)
+            return _json(IncidentPage(items=[], next_cursor=None))
         data = await gw.call(
             "scheduler",
             "incident_list",
@@ -569,7 +585,7 @@ def _add_routes(app: FastAPI) -> None:
         )
         raw, nxt = items_of(data, "scheduler", "incident_list")
         incidents = owned(parse_list(Incident, raw, "scheduler", "incident_list"), who)
-        return Page[Incident](items=incidents, next_cursor=nxt)
+        return _json(IncidentPage(items=incidents, next_cursor=nxt))
 
     @app.get(
         f"{v1}/incidents/{{incident_id}}",
@@ -601,7 +617,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get(
         f"{v1}/contracts",
         tags=["billing"],
-        response_model=Page[Contract],
+        response_model=ContractPage,
         summary="contracts (a tenant token sees its own)",
     )
     async def list_contracts(
@@ -610,10 +626,10 @@ def _add_routes(app: FastAPI) -> None:
         tenant: TenantQ = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
-    ) -> Page[Contract]:
+    ) -> ContractPage:
         tenant, visible = tenant_filter(who, tenant)
         if not visible:
-            return Page[Contract](items=[], next_cursor=None)
+            return ContractPage(items=[], next_cursor=None)
         data = await gw.call(
             "billing", "contract_list", {"tenant": tenant, "limit": limit, "cursor": cursor}
         )
@@ -621,7 +637,7 @@ def _add_routes(app: FastAPI) -> None:
         contracts = owned(parse_list(Contract, raw, "billing", "contract_list"), who)
         if isinstance(data, list):
             contracts, nxt = page_locally(contracts, limit, cursor)
-        return Page[Contract](items=contracts, next_cursor=nxt)
+        return ContractPage(items=contracts, next_cursor=nxt)
 
     async def _contract(gw: Gateway, who: Principal, contract_id: str) -> Contract:
         missing = not_found("contract", contract_id, "contract_id")
@@ -683,7 +699,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get(
         f"{v1}/credits",
         tags=["billing"],
-        response_model=Page[CreditView],
+        response_model=CreditViewPage,
         summary="credits issued (a tenant token sees its own)",
     )
     async def list_credits(
@@ -693,17 +709,17 @@ def _add_routes(app: FastAPI) -> None:
         tenant: TenantQ = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
-    ) -> Page[CreditView]:
+    ) -> CreditViewPage:
         tenant, visible = tenant_filter(who, tenant)
         if not visible:
-            return Page[CreditView](items=[], next_cursor=None)
+            return CreditViewPage(items=[], next_cursor=None)
         data = await gw.call(
             "billing", "credits_list", {"contract_id": contract_id, "tenant": tenant}
         )
         raw, _n = items_of(data, "billing", "credits_list")
         credits_ = owned(parse_list(CreditView, raw, "billing", "credits_list"), who)
         items, nxt = page_locally(credits_, limit, cursor)
-        return Page[CreditView](items=items, next_cursor=nxt)
+        return CreditViewPage(items=items, next_cursor=nxt)
 
     @app.get(
         f"{v1}/billing/export",
