@@ -314,7 +314,7 @@ class Detector:
                 finally:
                     self._busy = False
                 done += 1
-                if done % 16 == 0 or self.inflight:
+                if done % 4 == 0 or self.inflight:
                     # Let the subscriptions queue (critical ones go first) and, while faults
                     # are being published, let their round trips go on after every batch.
                     await asyncio.sleep(0)
