@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.api.app import create_app
@@ -147,3 +148,27 @@ def test_errors_name_what_to_do(
     monkeypatch.setenv("TORCHRELAY_TOKEN", "tr_wrong")
     assert main(["incidents"]) == 2
     assert "TORCHRELAY_TOKEN" in capsys.readouterr().err
+
+
+def test_a_tenant_token_sees_only_its_own_jobs(
+    api: tuple[str, CannedServices],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    r = httpx.post(
+        f"{api[0]}/v1/tokens",
+        json={"scope": "tenant", "tenant": "globex"},
+        headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"},
+    )
+    monkeypatch.setenv("TORCHRELAY_API_URL", api[0])
+    monkeypatch.setenv("TORCHRELAY_TOKEN", r.json()["token"])
+    monkeypatch.setenv("TORCHRELAY_HOME", str(tmp_path))
+    assert main(["status", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [j["job_id"] for j in data["jobs"]] == ["job-b"]
+    assert "nodes" not in data  # operator-only: left out, not an error
+    assert main(["incidents", "--json"]) == 0
+    assert {i["tenant"] for i in json.loads(capsys.readouterr().out)} == {"globex"}
+    assert main(["drain", "--node", "node-1"]) == 2
+    assert "operator" in capsys.readouterr().err
