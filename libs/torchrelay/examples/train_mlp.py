@@ -60,7 +60,7 @@ def state_sha256(*objects: Any) -> str:
         if isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 h.update(str(key).encode())
