@@ -1,0 +1,171 @@
+"""The whole deployment on this machine for e2e and chaos tests: both servers and the six
+services as processes (the supervisor of ``torchrelay up``), and jobs run with ``torchrelay run``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "libs" / "torchrelay" / "examples" / "train_mlp.py"
+
+
+@dataclass
+class Stack:
+    """A running stack: its URLs, operator token, state dir and supervisor process."""
+
+    state_dir: Path
+    info: dict[str, Any]
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def nats_url(self) -> str:
+        return str(self.info["nats_url"])
+
+    @property
+    def api_url(self) -> str:
+        return str(self.info["api_url"])
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "NATS_URL": self.nats_url,
+                "REDIS_URL": str(self.info["redis_url"]),
+                "TORCHRELAY_HOME": str(self.state_dir),
+                "PYTHONUNBUFFERED": "1",
+                "TORCHRELAY_API_URL": self.api_url,
+                "TORCHRELAY_TOKEN": str(self.info["operator_token"]),
+            }
+        )
+        env.update(extra)
+        return env
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.api_url,
+            timeout=10.0,
+            headers={"Authorization": f"Bearer {self.info['operator_token']}"},
+        )
+
+    def reload(self) -> None:
+        self.info = json.loads((self.state_dir / "stack.json").read_text())
+
+    def traces(self) -> list[dict[str, Any]]:
+        path = self.state_dir / "traces.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_stack(state_dir: Path) -> Stack:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    for var in ("NATS_URL", "REDIS_URL"):
+        env.pop(var, None)
+    env["TORCHRELAY_TRACE_FILE"] = str(state_dir / "traces.jsonl")
+    env["TORCHRELAY_LOG_LEVEL"] = "INFO"
+    log = (state_dir / "supervisor.log").open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchrelay.stack", "supervise", "--state-dir", str(state_dir)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"stack exited {proc.returncode}: "
+                f"{(state_dir / 'supervisor.log').read_text()[-3000:]}"
+            )
+        path = state_dir / "stack.json"
+        if path.exists():
+            return Stack(state_dir, json.loads(path.read_text()), proc)
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("stack not ready within 120 s")
+
+
+def stop_stack(stack: Stack) -> None:
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGTERM)
+        try:
+            stack.proc.wait(40)
+        except subprocess.TimeoutExpired:
+            os.killpg(stack.proc.pid, signal.SIGKILL)
+            stack.proc.wait()
+
+
+def run_job(
+    stack: Stack,
+    job_id: str,
+    *,
+    nproc: int,
+    spares: int,
+    steps: int,
+    out: Path,
+    nodes: int = 1,
+    policy: str = "wait",
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``torchrelay run`` of the example script; the caller waits on it."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchrelay.cli",
+        "run",
+        "--nproc",
+        str(nproc),
+        "--spares",
+        str(spares),
+        "--job-id",
+        job_id,
+        "--tenant",
+        "acme",
+        "--nodes",
+        str(nodes),
+        "--policy",
+        policy,
+        str(EXAMPLE),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--hidden",
+        "256",
+        *(extra or []),
+    ]
+    log = (out.parent / f"{job_id}.log").open("ab")
+    return subprocess.Popen(cmd, env=stack.env(**(env or {})), stdout=log, stderr=subprocess.STDOUT)
+
+
+def digests(out: Path) -> dict[int, str]:
+    """rank → sha256 of the final state written by the example script."""
+    return {
+        json.loads(p.read_text())["rank"]: json.loads(p.read_text())["sha256"]
+        for p in sorted(out.glob("rank*.json"))
+    }
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
