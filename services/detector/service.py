@@ -465,6 +465,8 @@ class Detector:
             member_id=holder.member_id if holder else None,
         )
         await self._publish_fault(fault, at)
+        if holder is not None and holder.member_id is not None and d.severity != Severity.INFO:
+            await self.jobs.note_slot_fault(s.cluster, s.node, s.gpu, fault_id, kind.value)
         if TAXONOMY[kind].hardware:
             await self._node_effects(
                 s.cluster, s.node, s.gpu, kind, d.severity, d.node_health, fault_id
@@ -711,6 +713,16 @@ class Detector:
             return
         fault_id = make_event_id("worker_lost", job_id, member_id)
         row = TAXONOMY[FaultKind.WORKER_LOST]
+        if gpu is not None:
+            # A process dying on a GPU that just failed is the same failure seen twice: say
+            # so, so that the scheduler can count it once.
+            related = await self.jobs.slot_fault(cluster, node, gpu)
+            if related is not None:
+                evidence = {
+                    **evidence,
+                    "related_fault_id": related[0],
+                    "related_fault_kind": related[1],
+                }
         await self._publish_fault(
             FaultDetected(
                 event_id=fault_id,

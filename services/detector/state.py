@@ -343,6 +343,20 @@ class JobDirectory:
                     return SlotHolder(job_id, a["member_id"], int(a["rank"]), tenant)
         return SlotHolder(job_id, None, None, tenant)
 
+    async def note_slot_fault(
+        self, cluster: str, node: str, gpu: int, fault_id: str, kind: str
+    ) -> None:
+        """Remember, for 10 minutes, the GPU fault that hit the member on a slot."""
+        await self._r.set(f"{self._slot(cluster, node, gpu)}:fault", f"{fault_id} {kind}", ex=600)
+
+    async def slot_fault(self, cluster: str, node: str, gpu: int) -> tuple[str, str] | None:
+        """The GPU fault on a slot in the last 10 minutes: (fault_id, kind)."""
+        raw = await self._r.get(f"{self._slot(cluster, node, gpu)}:fault")
+        if raw is None:
+            return None
+        fault_id, _, kind = _s(raw).partition(" ")
+        return fault_id, kind
+
     async def finish(self, job_id: str) -> None:
         """The job ended: no more faults for its members."""
         await self._r.set(self._k(job_id, "finished"), "1", ex=JOB_TTL_S)

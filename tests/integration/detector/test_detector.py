@@ -75,6 +75,21 @@ async def test_xid_79_yields_exactly_one_fault_within_a_second(
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
         await det.drain()  # every fault still being published is out...
         await bus.nc.flush()  # ...and has reached this connection
+        # The worker on the lost GPU dies too: same failure, and the fault says so.
+        await bus.publish(
+            AgentReport(
+                event_id="exit-w1",
+                source="test-launcher",
+                job_id="jobx",
+                member_id=members[1],
+                kind=ReportKind.WORKER_EXIT,
+                exit_code=-9,
+                node="local-0",
+                gpu=1,
+            ),
+            Subjects.agent_report("jobx"),
+        )
+        exited = await faults.wait_for(is_kind(FaultKind.WORKER_LOST))
 
     lost = [f for f in faults.items if f.kind == FaultKind.GPU_LOST]
     assert len(lost) == 1
@@ -90,6 +105,7 @@ async def test_xid_79_yields_exactly_one_fault_within_a_second(
     assert (f.job_id, f.rank, f.member_id) == ("jobx", 1, members[1])
     assert f.evidence["xid"] == 79
     assert f.fault_id == f.event_id == make_event_id("fault", "local", "local-0", 1, "gpu_lost", 1)
+    assert exited[0].evidence["related_fault_id"] == f.fault_id
     quarantined = await health.wait_for(lambda h: h.health == NodeHealth.QUARANTINED)
     assert quarantined[0].node == "local-0"
 
@@ -195,6 +211,7 @@ async def test_worker_exit_report_is_one_worker_lost(
         app = await faults.wait_for(is_kind(FaultKind.APPLICATION_ERROR))
     assert len([f for f in faults.items if f.kind == FaultKind.WORKER_LOST]) == 1
     f = lost[0]
+    assert "related_fault_id" not in f.evidence  # its GPU did not fail
     assert (f.job_id, f.rank, f.member_id, f.node, f.gpu) == ("jobe", 2, members[2], "local-1", 0)
     assert f.fault_id == make_event_id("worker_lost", "jobe", members[2])
     assert f.evidence["signal"] == "worker_exit"
