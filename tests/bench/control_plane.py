@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,12 @@ def _pct(samples_ms: list[float]) -> dict[str, float]:
     }
 
 
+def _set_on_ready(flag: asyncio.Event) -> Callable[[int], None]:
+    return lambda _port: flag.set()
+
+
 async def _measure(nats_url: str, redis_url: str) -> dict[str, Any]:
-    common = {
+    common: dict[str, Any] = {
         "nats_url": nats_url,
         "redis_url": redis_url,
         "environment": "test",
@@ -106,7 +111,7 @@ async def _measure(nats_url: str, redis_url: str) -> dict[str, Any]:
     }
     stop = asyncio.Event()
     ready: list[asyncio.Event] = []
-    tasks = []
+    tasks: list[asyncio.Task[None]] = []
     for name, setup, settings in (
         ("spare_pool", spare_pool_setup, SparePoolSettings(**common)),
         ("scheduler", scheduler_setup, ServiceSettings(**common)),
@@ -120,7 +125,7 @@ async def _measure(nats_url: str, redis_url: str) -> dict[str, Any]:
         ready.append(flag)
         tasks.append(
             asyncio.create_task(
-                serve_service(name, setup, settings, stop=stop, on_ready=lambda _p, f=flag: f.set())
+                serve_service(name, setup, settings, stop=stop, on_ready=_set_on_ready(flag))
             )
         )
     bus = await Bus.connect(nats_url, "bench")
