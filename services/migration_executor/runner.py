@@ -37,6 +37,7 @@ from torchrelay.generations import (
     changed_event,
     replace_rank,
 )
+from torchrelay.observability import context_from_headers, tracer
 
 from . import saga
 from .saga import Lease, Phase, SagaState, Timing
@@ -118,7 +119,17 @@ class SagaRunner:
 
     async def _drive(self, migration_id: str) -> None:
         try:
-            await self._drive_steps(migration_id)
+            state = await self.store.load(migration_id)
+            parent = context_from_headers(state.trace if state is not None else None)
+            with tracer().start_as_current_span(
+                "migration_executor saga",
+                context=parent,
+                attributes={
+                    "torchrelay.migration_id": migration_id,
+                    "torchrelay.phase": state.phase.value if state else "gone",
+                },
+            ):
+                await self._drive_steps(migration_id)
         finally:
             if self._tasks.get(migration_id) is asyncio.current_task():
                 del self._tasks[migration_id]

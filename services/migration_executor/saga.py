@@ -158,6 +158,9 @@ class SagaState(BaseModel):
     to_quarantine: list[SlotRef] = Field(default_factory=list)
     to_fence: list[str] = Field(default_factory=list)
     fenced_members: list[str] = Field(default_factory=list)  # fenced by a compensation
+    # W3C trace context of the request: every later step of the saga continues its trace,
+    # so one failure stays one trace across the executor's timer-driven steps.
+    trace: dict[str, str] = Field(default_factory=dict)
     history: list[dict[str, Any]] = Field(default_factory=list)
     created_at: datetime
     updated_at: datetime

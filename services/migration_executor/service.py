@@ -27,6 +27,7 @@ from torchrelay.contract import (
     utcnow,
 )
 from torchrelay.generations import GenerationError, changed_event, form_first
+from torchrelay.observability import inject_headers
 from torchrelay.service import ServiceContext
 from torchrelay.settings import ServiceSettings, load_settings
 
@@ -152,7 +153,7 @@ class Executor:
                 allow_shrink=job.allow_shrink,
             )
         )
-        state = saga.start(request, terms, utcnow())
+        state = saga.start(request, terms, utcnow()).model_copy(update={"trace": inject_headers()})
         if await self.store.create(state, request):
             self.runner.kick(request.migration_id)
         elif request.mode == MigrationMode.IMMEDIATE:
