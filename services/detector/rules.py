@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -226,7 +225,9 @@ class CounterWindow:
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.points: deque[tuple[float, float]] = deque()
+        # A list, not a deque: it holds one or two points almost always, and 130k GPUs'
+        # windows must fit in a replica's memory (a deque costs a 64-slot block each).
+        self.points: list[tuple[float, float]] = []
         self.last_ts = 0.0
 
     def add(self, ts: float, value: float) -> None:
@@ -248,8 +249,11 @@ class CounterWindow:
     def _prune(self) -> None:
         pts = self.points
         horizon = self.last_ts - self.window_s
-        while len(pts) >= 2 and pts[1][0] <= horizon:
-            pts.popleft()
+        drop = 0
+        while len(pts) - drop >= 2 and pts[drop + 1][0] <= horizon:
+            drop += 1
+        if drop:
+            del pts[:drop]
 
     def delta(self) -> float:
         """Increase over the window."""
@@ -272,7 +276,7 @@ class EventSeconds:
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.buckets: deque[int] = deque()
+        self.buckets: list[int] = []
 
     def add(self, ts: float) -> None:
         """The condition was seen at ``ts``."""
@@ -284,8 +288,12 @@ class EventSeconds:
     def prune(self, now: float) -> None:
         """Forget seconds older than the window."""
         horizon = now - self.window_s
-        while self.buckets and self.buckets[0] < horizon:
-            self.buckets.popleft()
+        buckets = self.buckets
+        if buckets and buckets[0] < horizon:
+            drop = 0
+            while drop < len(buckets) and buckets[drop] < horizon:
+                drop += 1
+            del buckets[:drop]
 
     def per_minute(self) -> float:
         """Seconds with the condition, per minute of window."""
@@ -295,7 +303,7 @@ class EventSeconds:
 class GpuWindows:
     """The rate windows of one GPU."""
 
-    __slots__ = ("ecc_corrected", "last", "nvlink_crc", "nvlink_fatal", "pcie", "thermal")
+    __slots__ = ("ecc_corrected", "nvlink_crc", "nvlink_fatal", "pcie", "thermal")
 
     def __init__(self, cfg: DetectorConfig) -> None:
         self.pcie = CounterWindow(cfg.rate_window_s)
@@ -304,7 +312,6 @@ class GpuWindows:
         # Replay + recovery errors: any increase is fatal (DESIGN.md §5).
         self.nvlink_fatal = CounterWindow(cfg.rate_window_s)
         self.thermal = EventSeconds(cfg.thermal_window_s)
-        self.last: TelemetrySample | None = None
 
 
 # --------------------------------------------------------------------------- sample rules
@@ -467,7 +474,6 @@ def evaluate_sample(w: GpuWindows, s: TelemetrySample, cfg: DetectorConfig) -> l
                 },
             )
         )
-    w.last = s
     return out
 
 
