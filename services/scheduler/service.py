@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from nats.aio.msg import Msg
+from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from torchrelay.bus import BusError, Delivery, NotFound, PermanentError
@@ -105,6 +106,19 @@ class Scheduler:
         self.incidents = IncidentStore(ctx.redis, ctx.prefix)
         self._steps: dict[str, int] = {}
         self._pids: dict[str, dict[str, int]] = {}
+        self.incidents_total = Counter(
+            "incidents_total",
+            "Incidents closed, by resolution and fault kind",
+            ["resolution", "fault_kind"],
+            registry=ctx.metrics.registry,
+        )
+        self.migration_stall_seconds = Histogram(
+            "migration_stall_seconds",
+            "Survivors' longest step gap around a migration",
+            ["resolution"],
+            registry=ctx.metrics.registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+        )
 
     # ------------------------------------------------------------------ events
 
@@ -318,7 +332,12 @@ class Scheduler:
         )
 
     async def _close(self, closed: Incident) -> None:
-        await self.incidents.close(closed)
+        if await self.incidents.close(closed):
+            self.incidents_total.labels(closed.resolution.value, closed.fault_kind.value).inc()
+            if closed.stall_ms is not None:
+                self.migration_stall_seconds.labels(closed.resolution.value).observe(
+                    closed.stall_ms / 1000.0
+                )
         await self._publish_closed(closed.incident_id)
 
     async def _publish_closed(self, incident_id: str) -> None:
