@@ -300,6 +300,8 @@ class Launcher:
         child.exit_code = code
         record = self._exit_record(child.member_id)
         child.outcome = classify_exit(code, record)
+        if child.stopping and child.outcome == "lost":
+            child.outcome = "stopped"  # by the launcher itself (end of job, Ctrl-C)
         if child.outcome == "lost":
             child.lost_at = time.monotonic()
         if not child.stopping:

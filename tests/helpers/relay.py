@@ -165,7 +165,9 @@ class FakeExecutor:
 
     # ---------------------------------------------------------------- waiting
 
-    async def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 60.0) -> Any:
+    async def wait_for(
+        self, what: str, predicate: Callable[[], Any], timeout: float = 180.0
+    ) -> Any:
         """Wait until ``predicate()`` is truthy (re-checked on every report and beat)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -249,7 +251,7 @@ class LaunchedJob:
             cmd, env=full_env, stdout=self._out, stderr=subprocess.STDOUT, cwd=home
         )
 
-    async def wait(self, timeout: float = 120.0) -> int:
+    async def wait(self, timeout: float = 300.0) -> int:
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None:
             if time.monotonic() > deadline:

@@ -14,7 +14,8 @@ import pytest
 from tests.integration.agent.conftest import JobRunner
 from torchrelay.contract import ReportKind
 
-pytestmark = pytest.mark.slow
+# Generous deadlines: these jobs share two cores with whatever else runs.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 async def chaos(runner: JobRunner, *argv: str) -> tuple[int, str, str]:

@@ -17,7 +17,8 @@ from tests.helpers.relay import FakeExecutor, LaunchedJob
 from tests.integration.agent.conftest import JobRunner
 from torchrelay.contract import EXIT_FENCED, MigrationMode, ReportKind
 
-pytestmark = pytest.mark.slow
+# Generous deadlines: these jobs share two cores with whatever else runs.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 NPROC = 3
 ENV = {"TR_STEPS": "24", "TR_STEP_SLEEP_S": "0.03"}
@@ -142,9 +143,9 @@ async def test_sigstop_survivors_leave_the_stuck_collective(runner: JobRunner) -
         await ex.wait_for(
             "survivors resumed in generation 2",
             lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC,
-            timeout=30,
+            timeout=100,
         )
-        assert time.monotonic() - written < 20  # far below the 120 s collective timeout
+        assert time.monotonic() - written < 60  # well below the 120 s collective timeout
     finally:
         os.kill(pid, signal.SIGCONT)
     exits = await ex.wait_for(
