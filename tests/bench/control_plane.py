@@ -21,7 +21,8 @@ detector, the scheduler, the spare pool and the executor. The detectors' own cou
 (``detector_samples_total``) give the samples per second they evaluated; the replicas the
 real rate needs are ``ceil(real rate / best samples/s one replica evaluated)``: an upper
 bound, as the replicas share this 2-core machine with the publisher and every other service,
-and a replica offered more than it can take is cut off as a slow consumer.
+and a replica offered more than it can take is cut off as a slow consumer; beside it, the
+replicas needed with a core each, from the detectors' samples per CPU-second (``/proc``).
 Every server and client is on 127.0.0.1.
 """
 
@@ -382,7 +383,15 @@ async def _probe_faults(
     return latencies, missed
 
 
-async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _scale_phase(
+    nats_url: str, detector_ports: list[int], detector_pids: list[int], gpus: int
+) -> dict[str, Any]:
     bus = await Bus.connect(nats_url, f"bench-scale-{gpus}")
     tap = EventTap()
     try:
@@ -390,6 +399,7 @@ async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> d
         job = SimJob(bus, f"bench-scale-{gpus}", world_size=WORLD, spares=int(SCALE_S) + 10)
         await job.start(timeout=60)
         before = [_samples_total(p) for p in detector_ports]
+        cpu_before = [_cpu_s(pid) for pid in detector_pids]
         publisher = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -418,11 +428,14 @@ async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> d
         offered = json.loads(out.decode().strip().splitlines()[-1])
         window = time.monotonic() - t0
         after = [_samples_total(p) for p in detector_ports]
+        cpu_after = [_cpu_s(pid) for pid in detector_pids]
     finally:
         await tap.stop()
         await bus.close()
     evaluated = [(a - b) / window for a, b in zip(after, before, strict=True)]
     per_replica = max(evaluated) if evaluated else 0.0
+    done = sum(a - b for a, b in zip(after, before, strict=True))
+    cpu = sum(a - b for a, b in zip(cpu_after, cpu_before, strict=True))
     real_rate = float(gpus)  # 1 Hz per GPU
     ordered = sorted(latencies)
     return {
@@ -433,6 +446,8 @@ async def _scale_phase(nats_url: str, detector_ports: list[int], gpus: int) -> d
         "evaluated_samples_per_s": sum(evaluated),
         "evaluated_per_replica": evaluated,
         "best_per_replica": per_replica,
+        "detector_cpu_s": cpu,
+        "samples_per_cpu_s": done / cpu if cpu > 0 else None,
         "load_average_1m": round(os.getloadavg()[0], 2),
         "faults": len(latencies) + missed,
         "faults_missed": missed,
@@ -460,6 +475,7 @@ def _one_scale(gpus: int) -> dict[str, Any]:
         with RelayStack(state):
             stack = json.loads((state / "stack.json").read_text())
             ports = [int(stack["services"]["detector"]["port"])]
+            pids = [int(stack["services"]["detector"]["pid"])]
             extra: list[subprocess.Popen[bytes]] = []
             try:
                 for _ in range(DETECTOR_REPLICAS - 1):
@@ -482,7 +498,8 @@ def _one_scale(gpus: int) -> dict[str, Any]:
                     extra.append(proc)
                     _wait_ready(port, proc)
                     ports.append(port)
-                return asyncio.run(_scale_phase(stack["nats_url"], ports, gpus))
+                    pids.append(proc.pid)
+                return asyncio.run(_scale_phase(stack["nats_url"], ports, pids, gpus))
             finally:
                 for proc in extra:
                     proc.terminate()
@@ -518,10 +535,15 @@ def run() -> dict[str, Any]:
     # replica is cut off as a slow consumer and evaluates less, so the overloaded runs
     # understate it); the replicas a scale needs follow from its real rate.
     capacity = max(row["best_per_replica"] for row in scales.values())
+    per_core = max((row["samples_per_cpu_s"] or 0.0) for row in scales.values())
     for row in scales.values():
         row["replica_capacity_samples_per_s"] = capacity
         row["replicas_needed"] = (
             math.ceil(row["real_samples_per_s"] / capacity) if capacity else None
+        )
+        # What the same replicas would need with a core each (their samples per CPU-second).
+        row["replicas_needed_one_core_each"] = (
+            math.ceil(row["real_samples_per_s"] / per_core) if per_core else None
         )
     result["scales"] = scales
     print(
@@ -530,14 +552,16 @@ def run() -> dict[str, Any]:
     )
     print(
         f"  {'GPUs':>8} {'offered/s':>10} {'evaluated/s':>11} {'per replica':>11} "
-        f"{'replicas needed':>15} {'faults':>6} {'missed':>6} {'p50 ms':>7} {'p99 ms':>7}"
+        f"{'needed':>6} {'1 core each':>11} {'faults':>6} {'missed':>6} {'p50 ms':>7} "
+        f"{'p99 ms':>7}"
     )
     for row in scales.values():
         lat = row["fault_to_generation_ms"]
         print(
             f"  {row['gpus']:>8,} {row['offered']['offered_samples_per_s']:>10,.0f} "
             f"{row['evaluated_samples_per_s']:>11,.0f} {max(row['evaluated_per_replica']):>11,.0f} "
-            f"{row['replicas_needed']!s:>15} {row['faults']:>6} {row['faults_missed']:>6} "
+            f"{row['replicas_needed']!s:>6} {row['replicas_needed_one_core_each']!s:>11} "
+            f"{row['faults']:>6} {row['faults_missed']:>6} "
             f"{lat['p50']!s:>7} {lat['p99']!s:>7}"
         )
     big = scales[str(SCALES[-1])]
@@ -545,7 +569,8 @@ def run() -> dict[str, Any]:
         f"fault->generation p50 {result['fault_to_generation']['p50_ms']:.0f} ms idle, "
         f"{big['fault_to_generation_ms']['p50']} ms p50 / {big['fault_to_generation_ms']['p99']} "
         f"ms p99 under 131k-GPU telemetry; detectors evaluated "
-        f"{big['evaluated_samples_per_s']:,.0f} samples/s; {big['replicas_needed']} replicas needed"
+        f"{big['evaluated_samples_per_s']:,.0f} samples/s; {big['replicas_needed']} "
+        f"replicas needed ({big['replicas_needed_one_core_each']} with a core each)"
     )
     return result
 
