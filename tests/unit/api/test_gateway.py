@@ -23,7 +23,8 @@ async def test_concurrent_identical_reads_share_one_request(bus: Bus) -> None:
     gw = Gateway(bus, timeout_s=5)
     results = await asyncio.gather(
         *(gw.call("scheduler", "incident_list", {"limit": 5}) for _ in range(5)),
-        gw.call("scheduler", "incident_list", {"limit": 6}))
+        gw.call("scheduler", "incident_list", {"limit": 6}),
+    )
     assert sorted(c["limit"] for c in calls) == [5, 6]  # five callers, one request
     assert all(r == results[0] for r in results[:5])
     # A read that starts after the shared one answered asks again: nothing is cached.
