@@ -15,6 +15,7 @@ from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -264,17 +265,31 @@ class Detector:
         if owner != self.membership.replica_id:
             headers = dict(msg.headers or {})
             headers[FORWARD_SUBJECT_HEADER] = msg.subject
-            await self.critical_bus.nc.publish(
-                f"{FORWARD_PREFIX_CRITICAL}.{owner}", msg.data, headers=headers
-            )
-            self.m_forwarded.labels("crit").inc()
-            return
+            try:
+                # A request, not a publish: an owner that died since the last membership beat
+                # must not swallow an XID. Without an answer this replica evaluates it.
+                await self.critical_bus.nc.request(
+                    f"{FORWARD_PREFIX_CRITICAL}.{owner}",
+                    msg.data,
+                    timeout=0.5,
+                    headers=headers,
+                )
+                self.m_forwarded.labels("crit").inc()
+                return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+                self.log.warning(
+                    "replica %s did not take a critical batch of %s; evaluating it here",
+                    owner,
+                    cluster_node,
+                )
         self._enqueue(msg.subject, msg.data, msg.headers, critical=True)
 
     async def _on_forwarded_critical(self, msg: Msg) -> None:
         headers = dict(msg.headers or {})
         subject = headers.pop(FORWARD_SUBJECT_HEADER, msg.subject)
         self._enqueue(subject, msg.data, headers, critical=True)
+        if msg.reply:
+            await msg.respond(b"ok")
 
     def _enqueue(
         self,

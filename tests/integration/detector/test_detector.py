@@ -498,3 +498,21 @@ async def test_a_replica_taking_over_does_not_repeat_an_ongoing_episode(
         await det.drain()
         await bus.nc.flush()
     assert len([f for f in faults.items if f.kind == FaultKind.GPU_LOST]) == 1
+
+
+async def test_an_xid_whose_owner_died_is_evaluated_by_the_replica_that_got_it(
+    nats_url: str, redis_url: str, redis: aioredis.Redis, bus: Bus, faults: Collector
+) -> None:
+    async with running_detector(nats_url, redis_url, detector_replica_id="alive") as det:
+        # A replica that crashed a moment ago: still in the membership, answering nothing.
+        await redis.zadd("tr:detector:replicas", {"ghost": time.time() + 60})
+        deadline = time.monotonic() + 10
+        while "ghost" not in det.membership.replicas:
+            assert time.monotonic() < deadline, "membership never saw the ghost replica"
+            await asyncio.sleep(0.1)
+        node = next(
+            f"g-{i}" for i in range(100) if det.membership.owner(f"tr.tel.local.g-{i}") == "ghost"
+        )
+        await send(bus, node, [sample(node, 0, xid=79)], critical=True)
+        found = await faults.wait_for(is_kind(FaultKind.GPU_LOST, node), timeout=5)
+    assert found[0].gpu == 0
