@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "libs" / "torchrelay" / "examples" / "train_mlp.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "libs" / "torchrelay" / "examples" / "train_mlp.py"
 
 
 @dataclass
@@ -67,11 +67,13 @@ class Stack:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def start_stack(state_dir: Path) -> Stack:
+def start_stack(state_dir: Path, env_extra: dict[str, str] | None = None) -> Stack:
+    """Start a supervised stack in ``state_dir``; ``env_extra`` reaches every service."""
     state_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     for var in ("NATS_URL", "REDIS_URL"):
         env.pop(var, None)
+    env.update(env_extra or {})
     env["TORCHRELAY_TRACE_FILE"] = str(state_dir / "traces.jsonl")
     env["TORCHRELAY_LOG_LEVEL"] = "INFO"
     log = (state_dir / "supervisor.log").open("ab")

@@ -884,6 +884,10 @@ class Detector:
             await self.jobs.add_member(
                 r.job_id, r.member_id, r.node, r.gpu, r.role.value, r.cluster
             )
+        elif r.kind == ReportKind.FINISHED:
+            # A finished rank stops its heartbeats before its process exits (output, teardown):
+            # that silence is not a lost worker.
+            await self.jobs.mark_exited(r.job_id, r.member_id)
         elif r.kind == ReportKind.WORKER_EXIT:
             await self.jobs.mark_exited(r.job_id, r.member_id)
             code = r.exit_code
