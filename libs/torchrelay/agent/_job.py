@@ -160,10 +160,15 @@ class Job:
 
     @property
     def rank(self) -> int:
-        """This process's rank in its current generation."""
-        if self._rank is None:
+        """This process's rank in its current generation (or the one that named it)."""
+        if self._rank is not None:
+            return self._rank
+        with self._lock:
+            latest = self._latest
+        rank = latest.member_rank(self.member_id) if latest is not None else None
+        if rank is None:
             raise AgentError("this process holds no rank yet")
-        return self._rank
+        return rank
 
     @property
     def world_size(self) -> int:
