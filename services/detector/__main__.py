@@ -7,6 +7,7 @@ python -m services.detector agent --node NAME [--backend nvml|amdsmi|sim|auto]
 
 from __future__ import annotations
 
+import gc
 import sys
 
 
@@ -19,6 +20,10 @@ def main(argv: list[str]) -> int:
     from services.detector.service import DetectorSettings, setup
     from torchrelay.service import run_service
 
+    # Everything imported so far lives as long as the process: keep the ~50,000 objects of
+    # the libraries out of every full garbage collection (30+ ms each, a latency spike).
+    gc.collect()
+    gc.freeze()
     run_service("detector", setup, DetectorSettings)
     return 0
 

@@ -78,6 +78,11 @@ _CRITICAL = b'"critical":true'
 _CRITICAL_SPACED = b'"critical": true'
 
 
+# What the inventory keeps of a GPU's last routine sample:
+# (backend, model, temperature_c, power_w, sample ts, slow_factor).
+GpuSummary = tuple[str, str | None, float | None, float | None, float, float | None]
+
+
 class DetectorSettings(ServiceSettings):
     """Settings of the detector service (environment ``TORCHRELAY_DETECTOR_*``)."""
 
@@ -145,7 +150,9 @@ class Detector:
         self.membership = Membership(ctx.redis, prefix, replica)
         self.gpus: dict[tuple[str, str, int], GpuWindows] = {}
         # (cluster, node) -> gpu -> last sample; flushed to Redis by the inventory task.
-        self.latest: dict[tuple[str, str], dict[int, TelemetrySample]] = {}
+        # Only scalars (a tuple of them is not tracked by the garbage collector): keeping the
+        # samples themselves made full collections scan ~10 objects per GPU, 100+ ms each.
+        self.latest: dict[tuple[str, str], dict[int, GpuSummary]] = {}
         self.dirty: set[tuple[str, str]] = set()
         self.activity: dict[str, JobActivity] = {}
         self.inflight: set[asyncio.Future[None]] = set()
@@ -383,7 +390,14 @@ class Detector:
         if not batch.critical:
             for s in samples:
                 changed = changed or s.gpu not in latest
-                latest[s.gpu] = s
+                latest[s.gpu] = (
+                    s.backend,
+                    s.gpu_model,
+                    s.temperature_c,
+                    s.power_w,
+                    s.ts.timestamp(),
+                    s.extra.get("slow_factor"),
+                )
         self.dirty.add(node_key)
         if changed:
             # A new node (or GPU) is in the inventory at once: it counts for the breaker.
@@ -579,21 +593,17 @@ class Detector:
             samples = self.latest.get((cluster, node), {})
             by_cluster.setdefault(cluster, {})[node] = {
                 "last_seen": now,
-                "backend": next((s.backend for s in samples.values()), None),
+                "backend": next((g[0] for g in samples.values()), None),
                 "gpus": [
                     {
-                        "gpu": g,
-                        "model": s.gpu_model,
-                        "temperature_c": s.temperature_c,
-                        "power_w": s.power_w,
-                        "sample_ts": round(s.ts.timestamp(), 3),
-                        **(
-                            {"slow_factor": s.extra["slow_factor"]}
-                            if "slow_factor" in s.extra
-                            else {}
-                        ),
+                        "gpu": gpu,
+                        "model": model,
+                        "temperature_c": temperature,
+                        "power_w": power,
+                        "sample_ts": round(ts, 3),
+                        **({"slow_factor": slow} if slow is not None else {}),
                     }
-                    for g, s in sorted(samples.items())
+                    for gpu, (_, model, temperature, power, ts, slow) in sorted(samples.items())
                 ],
             }
         for cluster, inv in by_cluster.items():
