@@ -774,6 +774,11 @@ class Detector:
         lost_at = self.recent_loss.get(job_id)
         if job_wide and lost_at is not None and now - lost_at < 120.0:
             return  # the lost member explains why everyone else waits
+        # A rank that finished (or exited) makes no progress and still looks alive until its
+        # heartbeats time out: that is not a hang.
+        stalled = [m for m in stalled if not await self.jobs.exited(job_id, m.member_id)]
+        if not stalled:
+            return
         row = TAXONOMY[FaultKind.WORKER_HANG]
         if job_wide:
             first = min(stalled, key=lambda m: m.rank if m.rank is not None else 1 << 30)
