@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from services.api.app import create_app
+from services.api.auth import connect_token_redis
 from services.api.settings import ApiSettings
 from torchrelay.bus import Bus, BusError
 from torchrelay.observability import configure_logging, configure_tracing
-from torchrelay.service import EXIT_CONFIG, EXIT_UNAVAILABLE, connect_redis
+from torchrelay.service import EXIT_CONFIG, EXIT_UNAVAILABLE
 from torchrelay.settings import SettingsError, load_settings
 
 
@@ -42,7 +43,7 @@ async def serve(
     """Run the API until ``stop`` is set or SIGTERM/SIGINT arrives."""
     log = configure_logging("api", settings.log_level, settings.log_json)
     provider = configure_tracing("api", settings.otlp_endpoint)
-    redis = await connect_redis(settings.redis_url, settings.connect_timeout_s)
+    redis = await connect_token_redis(settings.redis_url, settings.connect_timeout_s)
     try:
         creds = str(settings.nats_credentials) if settings.nats_credentials else None
         bus = await Bus.connect(

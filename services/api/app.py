@@ -27,7 +27,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import AwareDatetime, BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.auth import Principal, TokenStore, new_token
+from services.api.auth import (
+    Principal,
+    TokenStore,
+    TokenStoreUnavailable,
+    connect_token_redis,
+    new_token,
+)
 from services.api.gateway import (
     ApiProblem,
     Gateway,
@@ -224,7 +230,17 @@ async def principal(
             "operator_token of stack.json, or a token from POST /v1/tokens"
         )
     _, tokens = state_of(request).require()
-    who = await tokens.authenticate(credentials.credentials)
+    try:
+        who = await tokens.authenticate(credentials.credentials)
+    except TokenStoreUnavailable as exc:
+        raise ApiProblem(
+            503,
+            "Service Unavailable",
+            f"{exc}; check REDIS_URL",
+            kind="service-unavailable",
+            service="redis",
+            headers={"Retry-After": "5"},
+        ) from exc
     if who is None:
         raise unauthorized(
             "the bearer token is not known to this API; ask an operator for "
@@ -936,11 +952,9 @@ class _HttpMetrics:
 
 async def _connect(st: ApiState, settings: ApiSettings) -> list[Callable[[], Awaitable[Any]]]:
     """Open what the app was not given; return the closers of what it opened."""
-    from torchrelay.service import connect_redis
-
     closers: list[Callable[[], Awaitable[Any]]] = []
     if st.redis is None:
-        st.redis = await connect_redis(settings.redis_url, settings.connect_timeout_s)
+        st.redis = await connect_token_redis(settings.redis_url, settings.connect_timeout_s)
         closers.append(st.redis.aclose)
     if st.bus is None:
         creds = str(settings.nats_credentials) if settings.nats_credentials else None

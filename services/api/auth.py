@@ -7,6 +7,7 @@ so neither the secret nor a timing side channel on it is exposed.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -49,6 +50,46 @@ def token_digest(pepper: bytes, token: str) -> str:
     return hmac.new(pepper, token.encode(), hashlib.sha256).hexdigest()
 
 
+class TokenStoreUnavailable(RuntimeError):
+    """Redis, which holds the token digests, did not answer."""
+
+
+async def connect_token_redis(url: str, timeout_s: float = 10.0, max_connections: int = 64) -> Any:
+    """A Redis client whose pool waits for a free connection instead of failing.
+
+    A burst of first requests (every token a cache miss) must queue for a connection, not
+    fail: redis-py's default pool raises once 100 connections are busy.
+
+    Raises:
+        BusError: Redis did not answer within ``timeout_s`` (the message names REDIS_URL).
+    """
+    import redis.asyncio as aioredis
+
+    from torchrelay.bus import BusError
+
+    try:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s
+        )
+    except ValueError as exc:
+        raise BusError(f"REDIS_URL {url!r} is malformed: {exc}") from exc
+    client = aioredis.Redis(connection_pool=pool)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.ping()
+            return client
+        except Exception as exc:
+            if "auth" in str(exc).lower() or time.monotonic() > deadline:
+                await client.aclose()
+                raise BusError(
+                    f"REDIS_URL {url} is unreachable ({exc}); start it with "
+                    "'torchrelay up' or unset REDIS_URL to use the embedded "
+                    "server"
+                ) from exc
+            await asyncio.sleep(0.2)
+
+
 class TokenStore:
     """Issue and authenticate tokens; Redis holds only their digests."""
 
@@ -60,6 +101,7 @@ class TokenStore:
         self._prefix = prefix
         self._cache_s = cache_s
         self._cache: dict[str, tuple[Principal, float]] = {}
+        self._lookups: dict[str, asyncio.Future[Principal | None]] = {}
 
     @classmethod
     async def open(
@@ -107,7 +149,33 @@ class TokenStore:
         hit = self._cache.get(digest)
         if hit is not None and hit[1] > now:
             return hit[0]
-        raw = await self._redis.hgetall(self._key(digest))
+        # Concurrent first requests with one token share one Redis lookup.
+        lookup = self._lookups.get(digest)
+        if lookup is None:
+            lookup = asyncio.ensure_future(self._lookup(digest))
+            self._lookups[digest] = lookup
+
+            def _done(task: asyncio.Future[Principal | None], digest: str = digest) -> None:
+                if self._lookups.get(digest) is task:
+                    del self._lookups[digest]
+                if not task.cancelled():
+                    task.exception()
+
+            lookup.add_done_callback(_done)
+        principal = await asyncio.shield(lookup)
+        if principal is not None and self._cache_s > 0:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[digest] = (principal, time.monotonic() + self._cache_s)
+        return principal
+
+    async def _lookup(self, digest: str) -> Principal | None:
+        try:
+            raw = await self._redis.hgetall(self._key(digest))
+        except Exception as exc:
+            raise TokenStoreUnavailable(
+                f"the token store (Redis) did not answer: {type(exc).__name__}: {exc}"
+            ) from exc
         if not raw:
             return None
         record = {
@@ -123,13 +191,8 @@ class TokenStore:
             scope = "tenant"
         else:
             return None
-        principal = Principal(
+        return Principal(
             scope=scope,
             tenant=record.get("tenant") or None,
             token_id=record.get("token_id", digest[:16]),
         )
-        if self._cache_s > 0:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[digest] = (principal, now + self._cache_s)
-        return principal

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from services.api.auth import Principal
+from services.api.auth import Principal, TokenStoreUnavailable
 from services.api.gateway import ApiProblem, Gateway, items_of, parse_list
 from services.api.models import Contract, Guarantee, Incident, NodeView, SpareDepth
 
@@ -301,7 +301,12 @@ async def _operator(request: Request, token: str | None) -> Principal | HTMLResp
         header = request.headers.get("authorization", "")
         scheme, _, value = header.partition(" ")
         token = value.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE)
-    who = await tokens.authenticate(token) if token else None
+    try:
+        who = await tokens.authenticate(token) if token else None
+    except TokenStoreUnavailable as exc:
+        return _html(
+            _page("torchrelay: unavailable", f"<h1>Unavailable</h1><p>{escape(str(exc))}</p>"), 503
+        )
     if who is None:
         return _html(
             _page(

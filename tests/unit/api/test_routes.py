@@ -473,3 +473,64 @@ def test_readyz_is_503_when_nats_is_gone(
         r = client.get("/readyz")
         assert r.status_code == 503
         assert r.json()["nats"] == "down"
+
+
+def test_token_store_down_is_503_naming_redis(
+    fresh_redis: Any,
+    nats_url: str,
+    canned: CannedServices,
+    operator: dict[str, str],
+) -> None:
+    cfg = ApiSettings(
+        nats_url=nats_url,
+        redis_url=fresh_redis.url,
+        environment="test",
+        operator_token=operator["Authorization"][7:],
+        connect_timeout_s=5,
+    )
+    with TestClient(create_app(cfg)) as client:
+        issued = client.post(
+            "/v1/tokens", json={"scope": "tenant", "tenant": "acme"}, headers=operator
+        ).json()["token"]
+        fresh_redis.kill()
+        r = client.get("/v1/jobs", headers={"Authorization": f"Bearer {issued}"})
+        assert r.status_code == 503
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.json()["service"] == "redis"
+        assert client.get("/readyz").json()["redis"] == "down"
+
+
+async def test_a_burst_of_first_requests_all_succeed(
+    nats_url: str,
+    redis_url: str,
+    canned: CannedServices,
+) -> None:
+    import asyncio
+
+    import httpx
+
+    from tests.unit.api.canned import OPERATOR_TOKEN, ServerThread
+
+    loop = BackgroundLoop()
+    cfg = ApiSettings(
+        nats_url=nats_url,
+        redis_url=redis_url,
+        environment="test",
+        operator_token=OPERATOR_TOKEN,
+        rpc_timeout_s=10.0,
+    )
+    server = ServerThread(loop, create_app(cfg))
+    url = await asyncio.to_thread(server.start)
+    try:
+        limits = httpx.Limits(max_connections=300)
+        async with httpx.AsyncClient(
+            base_url=url,
+            limits=limits,
+            timeout=60,
+            headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"},
+        ) as http:
+            answers = await asyncio.gather(*(http.get("/v1/incidents") for _ in range(150)))
+        assert {a.status_code for a in answers} == {200}
+    finally:
+        await asyncio.to_thread(server.stop)
+        loop.close()
