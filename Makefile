@@ -45,6 +45,7 @@ demo: $(STAMP)
 	$(BIN)/torchrelay demo
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -c constraints/dev.txt -e '.[dev,bench]'
 	$(BIN)/python -m tests.bench
 
 clean:
