@@ -428,7 +428,7 @@ def run() -> dict[str, Any]:
             name: {
                 "stall": fig["stall_s"] / relay["stall_s"] if relay["stall_s"] else None,
                 "wall": fig["wall_s"] / relay["wall_s"],
-                "lost_steps": fig["lost_steps"] - relay["lost_steps"],
+                "extra_lost_steps": fig["lost_steps"] - relay["lost_steps"],
             }
             for name, fig in systems.items()
             if name != "torchrelay"
