@@ -39,7 +39,7 @@ class DetectorConfig:
     # A storm of corrected ECC errors: the memory wants a row remap (migrate, reset).
     ecc_corrected_per_min: float = 1000.0
     # Heartbeats.
-    heartbeat_timeout_s: float = 2.0
+    heartbeat_timeout_s: float = 5.0
     # worker_hang: bound = max(floor, factor x p95 of the job's own step times).
     hang_floor_s: float = 5.0
     hang_factor: float = 10.0

@@ -86,7 +86,10 @@ GpuSummary = tuple[str, str | None, float | None, float | None, float, float | N
 class DetectorSettings(ServiceSettings):
     """Settings of the detector service (environment ``TORCHRELAY_DETECTOR_*``)."""
 
-    detector_heartbeat_timeout_s: float = Field(default=2.0, gt=0)
+    # Backstop only: a SIGKILL is seen at once through the launcher's exit report and the
+    # peers' failed collectives; silence catches hangs and lost nodes. 2 s gave false
+    # positives on a loaded 2-core machine while ranks formed their groups.
+    detector_heartbeat_timeout_s: float = Field(default=5.0, gt=0)
     detector_episode_quiet_s: float = Field(default=60.0, gt=0)
     detector_hang_floor_s: float = Field(default=5.0, gt=0)
     detector_hang_factor: float = Field(default=10.0, gt=0)
@@ -639,12 +642,29 @@ class Detector:
             act.record_step_time(hb.rank, hb.step_time_s, self.cfg.straggler_window)
 
     async def _sweep_loop(self) -> None:
+        interval = self.settings.detector_sweep_interval_s
+        previous = time.time()
         while True:
-            await asyncio.sleep(self.settings.detector_sweep_interval_s)
+            await asyncio.sleep(interval)
+            now = time.time()
+            lag = now - previous - interval
+            previous = now
+            if lag > self.cfg.heartbeat_timeout_s / 4:
+                # This replica's own loop was starved: heartbeats may sit unread in the
+                # socket. Silence while we were not listening is not the members' silence.
+                self.forgive_silence(lag)
+                self.log.warning("detector loop lagged %.2fs; heartbeat clocks shifted", lag)
             try:
-                await self.sweep(time.time())
+                await self.sweep(now)
             except Exception:
                 self.log.exception("detector sweep failed")
+
+    def forgive_silence(self, seconds: float) -> None:
+        """Shift every member's last-heard time forward by ``seconds`` (our own stall)."""
+        for act in self.activity.values():
+            for m in act.members.values():
+                m.last_seen += seconds
+                m.last_progress += seconds
 
     async def sweep(self, now: float) -> None:
         """Run the heartbeat rules (lost, hang, straggler) over every job this replica owns."""

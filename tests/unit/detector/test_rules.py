@@ -329,7 +329,11 @@ def member(
 
 
 def test_heartbeats_gone_past_the_timeout_is_lost() -> None:
-    members = {"a": member("a", 0, T0, T0), "b": member("b", 1, T0 - 2.5, T0 - 2.5)}
+    timeout = CFG.heartbeat_timeout_s
+    members = {
+        "a": member("a", 0, T0 - 0.9 * timeout, T0),
+        "b": member("b", 1, T0 - 1.1 * timeout, T0 - 1.1 * timeout),
+    }
     assert [m.member_id for m in lost_members(members, T0, CFG)] == ["b"]
 
 
@@ -366,7 +370,7 @@ def test_everyone_stalled_at_one_step_is_a_job_wide_hang() -> None:
 
 
 def test_a_silent_member_is_not_hung_it_is_lost() -> None:
-    members = {"a": member("a", 0, T0 - 5, T0 - 50)}
+    members = {"a": member("a", 0, T0 - 2 * CFG.heartbeat_timeout_s, T0 - 50)}
     assert hung_members(members, 10.0, T0, CFG) is None
 
 
