@@ -175,7 +175,7 @@ def run_torchft(work: Path, fault: bool) -> tuple[float, Path, dict[str, Any]]:
     # torchft's Rust side logs every quorum at INFO; keep the bench's output readable.
     os.environ.setdefault("RUST_LOG", "warn")
     try:
-        from torchft.coordination import LighthouseServer  # type: ignore[import-untyped]
+        from torchft.coordination import LighthouseServer  # type: ignore[import-untyped,unused-ignore]
     except ImportError as exc:
         raise ArmUnavailable(
             f"torchft is not installed ({exc}); pip install torchft==0.2.0 -c constraints/dev.txt"

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
-from torchft import Manager, Optimizer, ProcessGroupGloo  # type: ignore[import-untyped]
+from torchft import Manager, Optimizer, ProcessGroupGloo  # type: ignore[import-untyped,unused-ignore]
 
 from tests.bench.workloads.common import StepLog, batch, build_model, build_optimizer
 
