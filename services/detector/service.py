@@ -633,6 +633,10 @@ class Detector:
                 hb.member_id, hb.rank, hb.node, hb.gpu, hb.cluster, hb.generation, hb.step, now, now
             )
         m.last_seen = now
+        if hb.rank != m.rank or hb.generation > m.generation:
+            # A spare taking a rank (or a rank entering a new generation) starts its progress
+            # clock now: the time it waited idle is not a hang.
+            m.last_progress = now
         m.rank = hb.rank
         m.generation = max(m.generation, hb.generation)
         if hb.step != m.step:
@@ -675,7 +679,9 @@ class Detector:
             for m in lost_members(act.members, now, self.cfg):
                 del act.members[m.member_id]  # a later heartbeat brings it back
                 await self._member_silent(job_id, m, now)
-            hang = hung_members(act.members, hang_bound(act.step_times, self.cfg), now, self.cfg)
+            # Only ranks can hang: an idle spare makes no step progress by design.
+            ranked = {k: m for k, m in act.members.items() if m.rank is not None}
+            hang = hung_members(ranked, hang_bound(act.step_times, self.cfg), now, self.cfg)
             if hang is not None:
                 await self._hang(job_id, hang.stalled, hang.job_wide, hang.bound_s, now)
             if now - act.last_straggler_check >= 1.0:
