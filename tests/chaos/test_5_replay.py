@@ -58,6 +58,7 @@ async def republish_all(url: str) -> int:
                 msg = await js.get_msg(EVENTS_STREAM.name, seq)
             except nats.js.errors.NotFoundError:
                 continue
+            assert msg.subject is not None
             await js.publish(
                 msg.subject, msg.data or b"", headers={"Nats-Msg-Id": f"replay-{uuid.uuid4()}"}
             )
