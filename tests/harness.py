@@ -121,8 +121,12 @@ def run_job(
     policy: str = "wait",
     extra: list[str] | None = None,
     env: dict[str, str] | None = None,
+    run_args: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``torchrelay run`` of the example script; the caller waits on it."""
+    """Start ``torchrelay run`` of the example script; the caller waits on it.
+
+    ``extra`` goes to the script, ``run_args`` to ``torchrelay run`` (e.g. ``--wait-timeout``).
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -140,6 +144,7 @@ def run_job(
         str(nodes),
         "--policy",
         policy,
+        *(run_args or []),
         str(EXAMPLE),
         "--steps",
         str(steps),

@@ -107,9 +107,10 @@ def start_job(
     *,
     spares: int,
     policy: str = "wait",
-    extra: list[str] | None = None,
+    run_args: list[str] | None = None,
 ) -> Job:
-    """Start the standard chaos job (4 ranks, ``STEPS`` steps, a sleep per step)."""
+    """Start the standard chaos job (4 ranks, ``STEPS`` steps, a sleep per step);
+    ``run_args`` go to ``torchrelay run``."""
     out = tmp / job_id
     proc = run_job(
         stack,
@@ -119,7 +120,8 @@ def start_job(
         steps=STEPS,
         out=out,
         policy=policy,
-        extra=["--step-sleep", STEP_SLEEP, *(extra or [])],
+        extra=["--step-sleep", STEP_SLEEP],
+        run_args=run_args,
     )
     return Job(job_id, proc, out)
 

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.mark.parametrize(
-    ("policy", "extra"),
+    ("policy", "run_args"),
     [
         pytest.param("wait", ["--wait-timeout", "3"], id="wait-timeout"),
         pytest.param(
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 )
 def test_no_spare_takes_the_fallback(
     policy: str,
-    extra: list[str],
+    run_args: list[str],
     chaos_stack: Stack,
     contract_id: str,
     rec: chaoslib.Recorder,
@@ -36,7 +36,7 @@ def test_no_spare_takes_the_fallback(
         f"no-spare-{policy.replace('_', '-')}",
         spares=0,
         policy=policy,
-        extra=extra,
+        run_args=run_args,
     )
     try:
         chaoslib.wait_mid_run(chaos_stack, job)
