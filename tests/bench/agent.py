@@ -2,7 +2,8 @@
 
 For a 4-rank gloo job of an MLP with more than 2M parameters (AdamW, StepLR):
 - median step time with the agent (``torchrelay run`` + the test executor) against a plain
-  loop doing the same gloo all-reduce on a directly built process group (target ratio <= 1.03);
+  loop doing the same gloo all-reduce on a directly built process group (target ratio <= 1.03),
+  measured in alternating blocks inside the same processes so both see the same load;
 - for a SIGKILL of rank 1 with a hot spare: the survivors' stall (max RESUMED stall_ms) and
   recomputed steps (max lost_steps), against the target of 5 median step times plus the
   state's size over the measured loopback bandwidth.
@@ -17,15 +18,13 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.relay import REPO, FakeExecutor, LaunchedJob
+from tests.helpers.relay import FakeExecutor, LaunchedJob
 from torchrelay.bus import Bus
 from torchrelay.contract import ReportKind
 from torchrelay.runtime import free_port, nats_server
@@ -34,7 +33,7 @@ WORLD = 4
 STEPS = 60
 SKIP = 8  # warm-up steps left out of the medians
 ENV = {"TR_STEPS": str(STEPS), "TR_WIDTH": "1024", "TR_DEPTH": "3", "TR_STEP_SLEEP_S": "0"}
-PLAIN = Path(__file__).with_name("_agent_plain.py")
+MIXED = Path(__file__).with_name("_agent_mixed.py")
 
 
 def params() -> int:
@@ -79,47 +78,27 @@ def loopback_bandwidth(total: int = 256 << 20) -> float:
     return total / elapsed
 
 
-def run_plain(tmp: Path) -> float:
-    port = free_port()
-    env = {**os.environ, **ENV, "PYTHONPATH": str(REPO)}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(PLAIN),
-                str(r),
-                str(WORLD),
-                str(port),
-                str(tmp / f"plain{r}.json"),
-            ],
-            env=env,
-        )
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        if p.wait(600) != 0:
-            raise RuntimeError("the plain loop failed")
-    return median_step(
-        [json.loads((tmp / f"plain{r}.json").read_text())["commit_times"] for r in range(WORLD)]
-    )
-
-
 def commit_times(job: LaunchedJob) -> list[list[float]]:
     return [
         json.loads(p.read_text())["commit_times"] for p in sorted(job.run_dir.glob("*.digest.json"))
     ]
 
 
-async def run_agent(bus: Bus, url: str, tmp: Path) -> float:
+async def run_overhead(bus: Bus, url: str, tmp: Path) -> tuple[float, float]:
+    """Median plain and agent step times, measured in alternating blocks in one job."""
     ex = await FakeExecutor(bus, "bench-overhead", WORLD).start()
-    job = LaunchedJob("bench-overhead", url, tmp, nproc=WORLD, spares=0, env=ENV)
+    env = {**ENV, "TR_PLAIN_PORT": str(free_port()), "TR_BLOCKS": "6", "TR_BLOCK_STEPS": "10"}
+    job = LaunchedJob("bench-overhead", url, tmp, nproc=WORLD, spares=0, env=env, script=MIXED)
     try:
         if await job.wait(600) != 0:
             raise RuntimeError(f"agent run failed:\n{job.output()[-3000:]}")
     finally:
         job.close()
         await ex.stop()
-    return median_step(commit_times(job))
+    runs = [json.loads(p.read_text()) for p in sorted(job.run_dir.glob("*.mixed.json"))]
+    plain = statistics.median(statistics.median(r["plain"]) for r in runs)
+    agent = statistics.median(statistics.median(r["agent"]) for r in runs)
+    return plain, agent
 
 
 async def run_kill(bus: Bus, url: str, tmp: Path) -> dict[str, Any]:
@@ -155,8 +134,7 @@ async def _run() -> dict[str, Any]:
             bus = await Bus.connect(server.url, "bench-agent")
             await bus.provision_streams()
             try:
-                plain = run_plain(tmp)
-                agent = await run_agent(bus, server.url, tmp)
+                plain, agent = await run_overhead(bus, server.url, tmp)
                 kill = await run_kill(bus, server.url, tmp)
             finally:
                 await bus.close()
