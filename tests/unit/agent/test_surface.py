@@ -1,0 +1,22 @@
+"""The training-script API of INTERFACES.md stays importable under its promised names."""
+
+from __future__ import annotations
+
+import inspect
+
+import torchrelay
+import torchrelay.agent
+
+
+def test_public_surface_is_pinned() -> None:
+    assert sorted(torchrelay.agent.__all__) == ["AgentError", "Job", "init", "state_digest"]
+    assert torchrelay.Job is torchrelay.agent.Job
+    for name in ("track", "batches", "step", "finish"):
+        assert callable(getattr(torchrelay.Job, name))
+    for prop in ("rank", "world_size", "generation", "committed_step"):
+        assert isinstance(inspect.getattr_static(torchrelay.Job, prop), property)
+    params = inspect.signature(torchrelay.Job.batches).parameters
+    assert list(params)[1:4] == ["dataset", "batch_size", "max_steps"]
+    assert all(
+        params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("seed", "shuffle", "collate_fn")
+    )
