@@ -637,7 +637,12 @@ def hung_members(
     """
     if bound is None:
         return None
-    alive = [m for m in members.values() if now - m.last_seen <= cfg.heartbeat_timeout_s]
+    # Only rank holders can hang: a hot spare waits without steps by design.
+    alive = [
+        m
+        for m in members.values()
+        if m.rank is not None and now - m.last_seen <= cfg.heartbeat_timeout_s
+    ]
     stalled = [m for m in alive if now - m.last_progress > bound]
     if not stalled:
         return None

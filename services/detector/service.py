@@ -83,6 +83,10 @@ _CRITICAL_SPACED = b'"critical": true'
 GpuSummary = tuple[str, str | None, float | None, float | None, float, float | None]
 
 
+# How long after a member was lost, or the generation changed, stalls are not hangs.
+HANG_GRACE_AFTER_DISRUPTION_S = 120.0
+
+
 class DetectorSettings(ServiceSettings):
     """Settings of the detector service (environment ``TORCHRELAY_DETECTOR_*``)."""
 
@@ -164,6 +168,7 @@ class Detector:
         self._work = asyncio.Event()
         self._busy = False
         self.recent_loss: dict[str, float] = {}  # job -> when one of its members was lost
+        self.recent_change: dict[str, float] = {}  # job -> when its generation last changed
         reg = ctx.metrics.registry
         self.m_samples = Counter(
             "detector_samples_total", "Telemetry samples evaluated", registry=reg
@@ -797,9 +802,11 @@ class Detector:
     async def _hang(
         self, job_id: str, stalled: list[MemberProgress], job_wide: bool, bound: float, now: float
     ) -> None:
-        lost_at = self.recent_loss.get(job_id)
-        if job_wide and lost_at is not None and now - lost_at < 120.0:
-            return  # the lost member explains why everyone else waits
+        disrupted = max(self.recent_loss.get(job_id, 0.0), self.recent_change.get(job_id, 0.0))
+        if now - disrupted < HANG_GRACE_AFTER_DISRUPTION_S:
+            # A lost member or a migration in flight explains why the others wait (the
+            # group re-forms, a spare receives the state, the policy may wait for a spare).
+            return
         # A rank that finished (or exited) makes no progress and still looks alive until its
         # heartbeats time out: that is not a hang.
         stalled = [m for m in stalled if not await self.jobs.exited(job_id, m.member_id)]
@@ -913,6 +920,9 @@ class Detector:
             await self.jobs.register(event)
         elif isinstance(event, GenerationChanged):
             await self.jobs.set_generation(event)
+            if event.generation > 1:
+                # Ranks stall while the group re-forms around the new member: not a hang.
+                self.recent_change[event.job_id] = time.time()
         elif isinstance(event, JobFinished):
             await self.jobs.finish(event.job_id)
             self.activity.pop(event.job_id, None)

@@ -430,3 +430,11 @@ def test_one_and_a_half_times_slower_is_always_seen_through_noise(ranks: int, se
     rng = random.Random(seed)
     slow = rng.randrange(ranks)
     assert list(straggler_ranks(step_times(ranks, {slow: 1.5}, 0.10, 20, rng), CFG)) == [slow]
+
+
+def test_a_waiting_hot_spare_is_never_hung() -> None:
+    spare = MemberProgress("s", None, "n0", 3, "c", 0, -1, T0, T0 - 500)
+    worker = member("a", 0, T0, T0 - 500)
+    hang = hung_members({"s": spare, "a": worker}, 10.0, T0, CFG)
+    assert hang is not None
+    assert [m.member_id for m in hang.stalled] == ["a"]
