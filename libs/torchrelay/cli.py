@@ -42,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy", choices=["wait", "shrink", "checkpoint_restart"], default="wait")
     run.add_argument("--wait-timeout", type=float, default=60.0)
     run.add_argument("--allow-shrink", action="store_true")
-    run.add_argument("--no-node-agents", action="store_true",
-                     help="do not start a simulated detector node agent per node")
+    run.add_argument(
+        "--no-node-agents",
+        action="store_true",
+        help="do not start a simulated detector node agent per node",
+    )
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
 
