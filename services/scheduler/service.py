@@ -332,13 +332,17 @@ class Scheduler:
         )
 
     async def _close(self, closed: Incident) -> None:
+        await self._record_close(closed)
+        await self._publish_closed(closed.incident_id)
+
+    async def _record_close(self, closed: Incident) -> None:
+        """Store the closed incident; count it in the metrics when this call closed it."""
         if await self.incidents.close(closed):
             self.incidents_total.labels(closed.resolution.value, closed.fault_kind.value).inc()
             if closed.stall_ms is not None:
                 self.migration_stall_seconds.labels(closed.resolution.value).observe(
                     closed.stall_ms / 1000.0
                 )
-        await self._publish_closed(closed.incident_id)
 
     async def _publish_closed(self, incident_id: str) -> None:
         """Publish the stored closed incident (the same content on every retry)."""
@@ -420,7 +424,7 @@ class Scheduler:
                 f"migration {done.migration_id} names unknown incident {done.incident_id}"
             )
         if incident.resolution == Resolution.OPEN:
-            await self.incidents.close(rules.close_completed(incident, done))
+            await self._record_close(rules.close_completed(incident, done))
         await self._publish_closed(done.incident_id)
 
     async def on_failed(self, failed: MigrationFailed) -> None:
@@ -445,7 +449,7 @@ class Scheduler:
             if failed.fallback == Resolution.SHRUNK:
                 job = await self.jobs.get(failed.job_id)
                 after = int(job["generation"]) if job else None
-            await self.incidents.close(rules.close_failed(incident, failed, after))
+            await self._record_close(rules.close_failed(incident, failed, after))
         await self._publish_closed(failed.incident_id)
 
     # ------------------------------------------------------------------ heartbeats
