@@ -112,6 +112,7 @@ class Job:
         self._latest: Generation | None = None  # newest generation seen (net thread writes)
         self._latest_immediate = 0  # newest generation number with mode immediate
         self._ever_named = False
+        self._leaving_at_boundary = False
         self._named_t: float | None = None
         self._exiting = False
 
@@ -208,12 +209,17 @@ class Job:
             named = gen.member_rank(self.member_id) is not None
             if named:
                 self._ever_named = True
+            if gen.mode == MigrationMode.BOUNDARY and self.member_id in gen.departing:
+                # Told to leave at the next step boundary. A later boundary generation
+                # (a second rank drained right after) no longer lists us as departing,
+                # but we still leave at that boundary, not mid-step.
+                self._leaving_at_boundary = True
             drop_now = (
                 not named
                 and self._ever_named
                 and (
                     gen.mode == MigrationMode.IMMEDIATE
-                    or self.member_id not in gen.departing
+                    or (self.member_id not in gen.departing and not self._leaving_at_boundary)
                     or self._gen is None
                 )
             )

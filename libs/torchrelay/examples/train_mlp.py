@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             "member": os.environ.get("TORCHRELAY_MEMBER_ID"),
             "step": job.committed_step,
             "generation": job.generation,
-            "loss": float(loss),
+            "loss": loss.item(),
             "sha256": state_sha256(model, optimizer, scheduler),
         }
         (out / f"rank{job.rank}.json").write_text(json.dumps(record))
