@@ -433,7 +433,16 @@ class Bus:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await self._handle(spec, msg, handler, deduper)
+                try:
+                    await self._handle(spec, msg, handler, deduper)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    # Outside the handler (the dedupe store, an ack): e.g. Redis restarting.
+                    # The consumer must outlive it: the message comes back later.
+                    log.warning("message of %s not handled, redelivered: %r", spec.durable, exc)
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=1.0)
 
     async def _handle(
         self, spec: ConsumerSpec, msg: Msg, handler: EventHandler, deduper: Deduper
