@@ -40,6 +40,7 @@ from torchrelay.contract import (
     JobPolicy,
     JobRegistered,
     Member,
+    MigrationFailed,
     ReportKind,
     Role,
     RpcError,
@@ -180,6 +181,7 @@ class Launcher:
         self._interrupted: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
+        self._gave_up: str | None = None  # the control plane's verdict: no live migration
         self._node_agents: list[asyncio.subprocess.Process] = []
 
     @property
@@ -517,6 +519,8 @@ class Launcher:
                 f"{app[0].member_id} raised in user code (application error); "
                 f"see {self.opts.run_dir / (app[0].member_id + '.exit.json')}"
             )
+        if self._gave_up is not None:
+            return "failed", self._gave_up
         if current is not None:
             holders = [self.children.get(a.member_id) for a in current.ranks]
             if all(h is not None and h.outcome == "finished" for h in holders):
@@ -574,6 +578,9 @@ class Launcher:
             for verb, handler in (("spawn_spare", self._on_spawn_spare), ("pid", self._on_pid)):
                 await self._serve(Subjects.launcher(o.job_id, verb), handler)
             await self._serve(Subjects.fence(o.job_id), self._on_fence)
+            self._subs.append(
+                await self.bus.nc.subscribe(Subjects.MIGRATION_FAILED, cb=self._on_migration_failed)
+            )
             await self._start_node_agents()
             await self._spawn_all()
             (o.run_dir / "launcher.json").write_text(
@@ -602,6 +609,25 @@ class Launcher:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
             await self.bus.close()
+
+    async def _on_migration_failed(self, msg: Msg) -> None:
+        """The executor gave up live migration for this job: end it with the fallback named."""
+        try:
+            failed = MigrationFailed.model_validate_json(msg.data)
+        except ValueError:
+            return
+        if failed.job_id != self.opts.job_id or failed.fallback.value == "migrated_live":
+            return
+        if failed.fallback.value == "shrunk":
+            return  # the job goes on with one rank fewer
+        self._gave_up = (
+            f"a rank could not be migrated live ({failed.reason}); the job's policy falls back "
+            f"to {failed.fallback.value}: restart it from its last checkpoint"
+            if failed.fallback.value == "checkpoint_restart"
+            else f"a rank could not be migrated live ({failed.reason}); resolution "
+            f"{failed.fallback.value}"
+        )
+        self._changed.set()
 
     async def _ensure_streams(self) -> None:
         try:
