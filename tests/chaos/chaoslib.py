@@ -52,6 +52,11 @@ STACK_ENV = {
 }
 
 
+def trace(what: str) -> None:
+    """A timestamped progress line (shown with ``-s``, and in a failed scenario's output)."""
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
 @dataclass
 class Recorder:
     """Counts the invariants one scenario checked (for the session's table)."""
@@ -112,6 +117,7 @@ def start_job(
     """Start the standard chaos job (4 ranks, ``STEPS`` steps, a sleep per step);
     ``run_args`` go to ``torchrelay run``."""
     out = tmp / job_id
+    trace(f"start job {job_id} (spares={spares}, policy={policy})")
     proc = run_job(
         stack,
         job_id,
@@ -167,6 +173,15 @@ def ensure_contract(stack: Stack) -> str:
     }
 
     def create() -> str | None:
+        existing = api_items(stack, "/v1/contracts")
+        if existing is None:
+            return None
+        now = datetime.now(UTC)
+        for c in existing:
+            start_at = datetime.fromisoformat(c["term_start"].replace("Z", "+00:00"))
+            end_at = datetime.fromisoformat(c["term_end"].replace("Z", "+00:00"))
+            if c["tenant"] == "acme" and start_at <= now < end_at:
+                return str(c["contract_id"])
         try:
             with stack.api() as client:
                 resp = client.post("/v1/contracts", json=body)
@@ -196,6 +211,7 @@ def wait_mid_run(stack: Stack, job: Job, at_step: int = INJECT_AT_STEP) -> None:
         return job_step(stack, job.job_id) >= at_step
 
     wait_until(ready, 150, f"job {job.job_id} running at step {at_step}", interval=0.2)
+    trace(f"job {job.job_id} at step >= {at_step}")
 
 
 def incidents(stack: Stack, job_id: str) -> list[dict[str, Any]] | None:
@@ -240,6 +256,7 @@ def chaos_cli(stack: Stack, *argv: str) -> dict[str, Any]:
         f"torchrelay chaos {' '.join(argv)} exited {proc.returncode}: {proc.stderr.decode()}"
     )
     result: dict[str, Any] = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    trace(f"chaos {' '.join(argv)}: {result}")
     return result
 
 
@@ -278,6 +295,7 @@ def signal_service(stack: Stack, name: str, sig: signal.Signals) -> int:
     """Send ``sig`` to a service (or server) of the stack; its pid."""
     pid = service_pid(stack, name)
     os.kill(pid, sig)
+    trace(f"{sig.name} to {name} (pid {pid})")
     return pid
 
 
@@ -305,7 +323,9 @@ def wait_restarted(stack: Stack, name: str, old_pid: int, timeout: float = 90) -
                 return None
         return pid
 
-    return int(wait_until(restarted, timeout, f"{name} restarted by the supervisor", 0.2))
+    pid = int(wait_until(restarted, timeout, f"{name} restarted by the supervisor", 0.2))
+    trace(f"{name} back as pid {pid}")
+    return pid
 
 
 def all_ready(stack: Stack) -> dict[str, bool]:
@@ -411,6 +431,7 @@ def check_spares(stack: Stack, rec: Recorder, finished_jobs: tuple[str, ...] = (
     ]
     assert not leaked, f"slots of finished jobs still offered: {leaked} ({slots})"
     rec.ok("no spare leaked")
+    trace("spares checked")
 
 
 def check_invariants(
@@ -430,6 +451,7 @@ def check_invariants(
     close with a migration), for faults whose follow-on is legitimately a second incident.
     """
     job_id = job.job_id
+    trace(f"invariants of {job_id}")
 
     def all_closed() -> list[dict[str, Any]] | None:
         got = incidents(stack, job_id)
@@ -446,6 +468,7 @@ def check_invariants(
     still_open = [i["incident_id"] for i in found if i["resolution"] == "open"]
     assert not still_open, f"incidents left open: {still_open}"
     rec.ok("every incident closed")
+    trace(f"incidents closed: {_brief(found)}")
 
     # Each injected failure: exactly one incident on its rank, with the expected resolution.
     ids = Counter(i["incident_id"] for i in found)
@@ -499,6 +522,7 @@ def check_invariants(
     assert int(g["resolved_by_migration"]) - before.resolved == live, g
     assert int(g["prevented_failures"]) - before.prevented == proactive, g
     rec.ok("guarantee counts moved by exactly these incidents")
+    trace("ledger and guarantee checked")
 
     check_spares(stack, rec, (job_id,))
 
@@ -528,8 +552,5 @@ def _brief(found: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 def wait_job_ok(job: Job, timeout: float = JOB_TIMEOUT_S) -> None:
     code = job.wait(timeout)
+    trace(f"job {job.job_id} exited {code}")
     assert code == 0, f"job {job.job_id} exited {code}:\n{job.log()[-4000:]}"
-
-
-def now_s() -> float:
-    return time.monotonic()
