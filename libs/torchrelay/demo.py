@@ -313,8 +313,9 @@ class Demo:
             if guarantee.get("met")
             else f"{guarantee.get('credit_minor')} minor units {guarantee.get('currency')}",
         )
-        table.add_row("FOCUS export", str(export_path))
+        table.add_row("FOCUS export", export_path.name)
         self.console.print(table)
+        self.console.print(f"FOCUS 1.2 export written to {export_path}", soft_wrap=True)
         (self.state_dir / "demo" / "summary.json").write_text(
             json.dumps(
                 {
