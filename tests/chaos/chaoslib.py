@@ -403,7 +403,7 @@ def baseline(stack: Stack, contract_id: str) -> Baseline:
 def check_spares(stack: Stack, rec: Recorder, finished_jobs: tuple[str, ...] = ()) -> None:
     """No slot stuck ``reserved``, no member on two slots, nothing of a finished job offered."""
 
-    def settled() -> list[dict[str, Any]] | None:
+    def settled() -> tuple[list[dict[str, Any]]] | None:
         slots = api_items(stack, "/v1/spares")
         if slots is None:
             return None
@@ -411,10 +411,10 @@ def check_spares(stack: Stack, rec: Recorder, finished_jobs: tuple[str, ...] = (
             return None
         if any(s.get("job_id") in finished_jobs and s["state"] in ("hot", "in_use") for s in slots):
             return None
-        return slots
+        return (slots,)  # truthy even when the pool is empty
 
     try:
-        slots = wait_until(settled, 60, "the spare pool to settle", interval=0.5)
+        (slots,) = wait_until(settled, 60, "the spare pool to settle", interval=0.5)
     except AssertionError:
         slots = api_items(stack, "/v1/spares") or []
     reserved = [s["slot_id"] for s in slots if s["state"] == "reserved"]
