@@ -16,8 +16,8 @@ from tests.chaos.conftest import References
 from tests.harness import Stack
 
 # The services that drive a migration run in `make test`; the rest with `make chaos`.
-CORE = ("migration_executor", "scheduler", "detector")
-EXTENDED = ("spare_pool", "billing", "api")
+CORE = ("migration_executor", "scheduler")
+EXTENDED = ("detector", "spare_pool", "billing", "api")
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 

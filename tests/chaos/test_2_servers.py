@@ -64,6 +64,7 @@ def test_kill_redis_during_run(
     )
 
 
+@pytest.mark.chaos_extended
 def test_restart_nats_during_migration(
     chaos_stack: Stack,
     contract_id: str,

@@ -20,6 +20,7 @@ from tests.harness import Stack
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
+@pytest.mark.chaos_extended
 def test_two_ranks_at_once(
     chaos_stack: Stack,
     contract_id: str,

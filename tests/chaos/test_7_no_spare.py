@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 @pytest.mark.parametrize(
     ("policy", "run_args"),
     [
-        pytest.param("wait", ["--wait-timeout", "3"], id="wait-timeout"),
+        pytest.param(
+            "wait", ["--wait-timeout", "3"], id="wait-timeout", marks=pytest.mark.chaos_extended
+        ),
         pytest.param(
             "checkpoint_restart", [], id="checkpoint_restart", marks=pytest.mark.chaos_extended
         ),
