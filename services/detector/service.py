@@ -942,7 +942,10 @@ class Detector:
         elif r.kind == ReportKind.WORKER_EXIT:
             await self.jobs.mark_exited(r.job_id, r.member_id)
             code = r.exit_code
-            if code in (0, 75):
+            # The launcher prefixes its verdict: a process that crashed on its way out after
+            # job.finish() ("finished: killed by SIGABRT") lost nothing.
+            outcome = (r.error or "").split(":", 1)[0]
+            if code in (0, 75) or outcome in ("finished", "fenced"):
                 return  # finished, or fenced: nothing was lost
             if code == 1 and r.error:
                 await self.jobs.mark_app_error(r.job_id)
