@@ -47,6 +47,9 @@ INJECT_AT_STEP = 5
 # that would add incidents the scenarios did not inject (the straggler rule has its own tests).
 STACK_ENV = {
     "TORCHRELAY_DETECTOR_HEARTBEAT_TIMEOUT_S": "6",
+    # Kept above the heartbeat timeout, as the defaults are (2 s < 5 s): a stopped worker is
+    # then declared lost before its peers' stall is reported as a job-wide hang.
+    "TORCHRELAY_DETECTOR_HANG_FLOOR_S": "15",
     "TORCHRELAY_DETECTOR_STRAGGLER_RATIO": "20",
     "TORCHRELAY_DETECTOR_STRAGGLER_SUSTAIN_S": "600",
 }
