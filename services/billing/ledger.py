@@ -675,6 +675,18 @@ class Ledger:
         return {"ok": True, "checked": checked, "chains": len(chains)}
 
     async def _verify_chain(self, chain: str) -> tuple[int, BadEntry | None]:
+        # The chain is read in several round trips; an append landing meanwhile makes the
+        # head or the aggregates look inconsistent. A verdict of "bad" counts only if the
+        # head did not move while we read; otherwise read again.
+        result: tuple[int, BadEntry | None] = (0, None)
+        for _ in range(5):
+            before = await self.head(chain)
+            result = await self._verify_chain_once(chain)
+            if result[1] is None or await self.head(chain) == before:
+                return result
+        return result
+
+    async def _verify_chain_once(self, chain: str) -> tuple[int, BadEntry | None]:
         verifier = ChainVerifier(chain)
         effective: dict[str, EntryClass] = {}
         async for raw in self.raw_entries(chain):

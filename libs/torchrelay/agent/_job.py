@@ -236,6 +236,15 @@ class Job:
                 self._fence_from_loop(f"generation {gen.generation} does not name {self.member_id}")
             )
 
+    def _superseded(self, gen: Generation) -> Callable[[], bool]:
+        """Whether any generation newer than ``gen`` is known (or we are exiting)."""
+
+        def check() -> bool:
+            latest = self._latest
+            return self._exiting or (latest is not None and latest.generation > gen.generation)
+
+        return check
+
     def _stale(self, gen: Generation) -> Callable[[], bool]:
         """Whether a generation newer than ``gen`` requires leaving it at once."""
         return lambda: self._latest_immediate > gen.generation or self._exiting
@@ -279,7 +288,11 @@ class Job:
                 self._pg = None
             rank = gen.member_rank(self.member_id)
             assert rank is not None
-            stale = self._stale(gen)
+            # While the group forms and the state syncs no step is in flight, so any newer
+            # generation (boundary mode too) supersedes this one: members that saw the newer
+            # one first never join this group, and waiting for them would last until the
+            # rendezvous timeout.
+            stale = self._superseded(gen)
             try:
                 pg = form_group(
                     self.backend,

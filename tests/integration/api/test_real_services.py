@@ -300,7 +300,8 @@ def test_every_route_answers_with_the_documented_fields(world: Stack) -> None:
     r = op.get("/v1/billing/export?period=2026-11&format=csv")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/csv")
-    assert op.get("/v1/ledger/verify").json()["ok"] is True
+    verified = op.get("/v1/ledger/verify").json()
+    assert verified["ok"] is True, verified
 
 
 def test_close_term_before_term_end_is_409(world: Stack) -> None:
