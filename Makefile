@@ -21,7 +21,7 @@ e2e: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m "e2e" tests
 
 chaos: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider tests/chaos
+	TORCHRELAY_CHAOS=all $(BIN)/python -m pytest -p no:cacheprovider tests/chaos
 
 lint: $(STAMP)
 	$(BIN)/ruff check libs services tests
