@@ -23,6 +23,7 @@ from torchrelay.contract import (
     Generation,
     MigrationCompleted,
     MigrationFailed,
+    MigrationMode,
     MigrationStarted,
     Resolution,
     SpareSlot,
@@ -213,7 +214,12 @@ class SagaRunner:
         return await self.bus.request(subject, payload, timeout=self.rpc_timeout_s)
 
     async def _reserve(self, state: SagaState, now: datetime) -> SagaState | None:
-        if not await self.store.lock_job(state.job_id, state.migration_id):
+        if state.mode == MigrationMode.BOUNDARY and await self._job_settling(state):
+            # A generation of this job is still being entered; a boundary migration waits
+            # until every rank resumed in it (agents agree on the switch inside a step).
+            return None
+        locked = await self.store.lock_job(state.job_id, state.migration_id)
+        if not locked and not await self._preempt_boundary(state):
             # Another migration of this job is changing its generation: wait our turn.
             return None
         payload = {
@@ -356,10 +362,39 @@ class SagaRunner:
             Subjects.MIGRATION_STARTED,
         )
         moved = await self._save(saga.published(state, gen, now, self.timing))
-        # The generation is written: another migration of the job (a second failure while
-        # this one waits for its ranks) may now write the next one on top of it.
-        await self.store.unlock_job(state.job_id, state.migration_id)
+        if state.mode == MigrationMode.IMMEDIATE:
+            # The generation is written: another migration of the job (a second failure
+            # while this one waits for its ranks) may now write the next one on top of it.
+            await self.store.unlock_job(state.job_id, state.migration_id)
+        # A boundary migration keeps the lock until its ranks resumed: two boundary
+        # generations in quick succession race the agents' group formation. A fatal fault
+        # does not wait for it (see _preempt_boundary).
         return moved
+
+    async def _job_settling(self, state: SagaState) -> bool:
+        """Whether another saga of the job published a generation its ranks have not resumed."""
+        active = set(await self.store.active())
+        for other_id in await self.store.of_job(state.job_id):
+            if other_id == state.migration_id or other_id not in active:
+                continue
+            other = await self.store.load(other_id)
+            if other is not None and other.phase == Phase.AWAIT_RESUME:
+                return True
+        return False
+
+    async def _preempt_boundary(self, state: SagaState) -> bool:
+        """An immediate migration takes the lock from a boundary one already published."""
+        if state.mode != MigrationMode.IMMEDIATE:
+            return False
+        holder = await self.store.job_lock_holder(state.job_id)
+        if holder is None:
+            return await self.store.lock_job(state.job_id, state.migration_id)
+        other = await self.store.load(holder)
+        if other is None or other.phase == Phase.DONE:
+            return await self.store.take_job_lock(state.job_id, state.migration_id, holder)
+        if other.mode == MigrationMode.BOUNDARY and other.generation_after is not None:
+            return await self.store.take_job_lock(state.job_id, state.migration_id, holder)
+        return False
 
     async def _await_resume(self, state: SagaState, now: datetime) -> SagaState | None:
         assert state.generation_after is not None

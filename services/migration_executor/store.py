@@ -95,6 +95,18 @@ class ExecutorStore:
         holder = await self._r.get(key)
         return holder is not None and _text(holder) == migration_id
 
+    async def take_job_lock(self, job_id: str, migration_id: str, from_holder: str) -> bool:
+        """Take the job's lock from ``from_holder`` (only if it still holds it)."""
+        taken = await self._r.eval(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+            "redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0",
+            1,
+            f"{self._p}:joblock:{job_id}",
+            from_holder,
+            migration_id,
+        )
+        return bool(taken)
+
     async def unlock_job(self, job_id: str, migration_id: str) -> None:
         await self._r.eval(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then "

@@ -288,10 +288,9 @@ class Job:
                 self._pg = None
             rank = gen.member_rank(self.member_id)
             assert rank is not None
-            # While the group forms and the state syncs no step is in flight, so any newer
-            # generation (boundary mode too) supersedes this one: members that saw the newer
-            # one first never join this group, and waiting for them would last until the
-            # rendezvous timeout.
+            # While the group forms no step is in flight, so any newer generation (boundary
+            # mode too) supersedes this one: members that saw the newer one first never join
+            # this group, and waiting for them would last until the rendezvous timeout.
             stale = self._superseded(gen)
             try:
                 pg = form_group(
@@ -309,7 +308,9 @@ class Job:
                 continue
             self._gen, self._pg, self._rank = gen, pg, rank
             try:
-                received = self._sync_state(gen, pg, rank, stale)
+                # Once the group formed every member is in it: like a step, the sync is
+                # left only for an immediate generation (a boundary one is entered after).
+                received = self._sync_state(gen, pg, rank, self._stale(gen))
             except Abandoned:
                 continue
             except CollectiveError as exc:
