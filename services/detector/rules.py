@@ -41,7 +41,7 @@ class DetectorConfig:
     # Heartbeats.
     heartbeat_timeout_s: float = 5.0
     # worker_hang: bound = max(floor, factor x p95 of the job's own step times).
-    hang_floor_s: float = 5.0
+    hang_floor_s: float = 10.0  # above the heartbeat timeout: a stopped rank is lost, not hung
     hang_factor: float = 10.0
     hang_min_steps: int = 5
     # straggler: a rank's median step time vs the median of the other ranks.

@@ -95,7 +95,7 @@ class DetectorSettings(ServiceSettings):
     # positives on a loaded 2-core machine while ranks formed their groups.
     detector_heartbeat_timeout_s: float = Field(default=5.0, gt=0)
     detector_episode_quiet_s: float = Field(default=60.0, gt=0)
-    detector_hang_floor_s: float = Field(default=5.0, gt=0)
+    detector_hang_floor_s: float = Field(default=10.0, gt=0)
     detector_hang_factor: float = Field(default=10.0, gt=0)
     detector_straggler_ratio: float = Field(default=1.3, gt=1)
     detector_straggler_sustain_s: float = Field(default=5.0, ge=0)
