@@ -13,12 +13,10 @@ failures can be compared bitwise with a fault-free one.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -50,30 +48,6 @@ def build_model(hidden: int = 1536, seed: int = 7) -> nn.Module:
         nn.Dropout(0.1),
         nn.Linear(1024, CLASSES),
     )
-
-
-def state_sha256(*objects: Any) -> str:
-    """sha256 over every tensor (and scalar) of the objects' state dicts, in a fixed order."""
-    h = hashlib.sha256()
-
-    def feed(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                h.update(str(key).encode())
-                feed(value[key])
-        elif isinstance(value, list | tuple):
-            for item in value:
-                feed(item)
-        else:
-            h.update(repr(value).encode())
-
-    for obj in objects:
-        feed(obj.state_dict())
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             "step": job.committed_step,
             "generation": job.generation,
             "loss": loss.item(),
-            "sha256": state_sha256(model, optimizer, scheduler),
+            "sha256": job.state_digest(),
         }
         (out / f"rank{job.rank}.json").write_text(json.dumps(record))
 
