@@ -618,8 +618,8 @@ class Launcher:
             return
         if failed.job_id != self.opts.job_id or failed.fallback.value == "migrated_live":
             return
-        if failed.fallback.value == "shrunk":
-            return  # the job goes on with one rank fewer
+        if failed.fallback.value in ("shrunk", "excluded"):
+            return  # the job goes on with one rank fewer, or the warning no longer matters
         self._gave_up = (
             f"a rank could not be migrated live ({failed.reason}); the job's policy falls back "
             f"to {failed.fallback.value}: restart it from its last checkpoint"

@@ -511,6 +511,10 @@ def aborted(state: SagaState, now: datetime, reason: str) -> SagaState:
     """The job ended while the migration was under way: release what was taken."""
     if state.phase not in ABORTABLE:
         return state
+    if state.mode == MigrationMode.BOUNDARY:
+        # A warning (straggler, remap pending, drain) on a job that ended before the rank
+        # moved: no failure reached the job, so it must not count against the guarantee.
+        return fail(state, Resolution.EXCLUDED, now, f"job ended before the move: {reason}")
     return fail(state, Resolution.LOST, now, reason)
 
 

@@ -167,7 +167,13 @@ def close_completed(incident: Incident, done: MigrationCompleted) -> Incident:
 
 
 _FALLBACKS = frozenset(
-    {Resolution.CHECKPOINT_RESTART, Resolution.SHRUNK, Resolution.LOST, Resolution.MANUAL}
+    {
+        Resolution.CHECKPOINT_RESTART,
+        Resolution.SHRUNK,
+        Resolution.LOST,
+        Resolution.MANUAL,
+        Resolution.EXCLUDED,
+    }
 )
 
 

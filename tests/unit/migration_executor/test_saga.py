@@ -245,6 +245,15 @@ def test_abort_only_before_the_new_generation_is_committed() -> None:
     assert saga.aborted(c, T0, "the job finished") is c
 
 
+def test_a_warning_whose_job_ended_before_the_move_is_excluded_not_lost() -> None:
+    s = saga.reserved(new(), lease(), T0, TIMING)
+    warned = s.model_copy(update={"mode": MigrationMode.BOUNDARY})
+    a = saga.aborted(warned, T0, "the job finished")
+    assert a.phase == Phase.FAIL
+    assert a.fallback == Resolution.EXCLUDED  # not an eligible, unresolved failure
+    assert a.to_release == ["L1"]
+
+
 @pytest.mark.parametrize(
     ("kind", "quarantine"),
     [
