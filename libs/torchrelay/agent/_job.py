@@ -39,7 +39,16 @@ from torchrelay.agent._group import (
     wait_work,
 )
 from torchrelay.agent._net import NetThread
-from torchrelay.agent._state import Stateful, pack_state, state_digest, unpack_state
+from torchrelay.agent._state import (
+    Stateful,
+    as_bytes,
+    empty_for,
+    pack_state,
+    read_header,
+    slots,
+    state_digest,
+    unpack_state,
+)
 from torchrelay.contract import (
     EXIT_APPLICATION_ERROR,
     EXIT_FENCED,
@@ -345,24 +354,34 @@ class Job:
         receivers = [r for r, s in enumerate(steps) if s < best]
         tag = gen.generation
         if rank == source and receivers:
-            payload = pack_state(self._tracked, best)
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-            size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-            for dst in receivers:
-                self._run(pg.send([size], dst, tag), pg, stale)
-                self._run(pg.send([data], dst, tag), pg, stale)
+            packed = pack_state(self._tracked, best, dev)
+            size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=dev)
+            # Post every send at once (header, then each large tensor straight from the
+            # state); the group's transport streams them back to back.
+            works = [
+                pg.send([t], dst, tag)
+                for dst in receivers
+                for t in (size, packed.header, *packed.large)
+            ]
+            for work in works:
+                self._run(work, pg, stale)
             return 0
         if rank in receivers:
             size = torch.zeros(1, dtype=torch.int64, device=dev)
             self._run(pg.recv([size], source, tag), pg, stale)
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-            self._run(pg.recv([data], source, tag), pg, stale)
-            step = unpack_state(data.cpu().numpy().tobytes(), self._tracked)
+            header = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+            self._run(pg.recv([header], source, tag), pg, stale)
+            skeleton = read_header(header)
+            large = [empty_for(slot, dev) for slot in slots(skeleton)]
+            works = [pg.recv([as_bytes(t)], source, tag) for t in large]
+            for work in works:
+                self._run(work, pg, stale)
+            step = unpack_state(skeleton, large, self._tracked)
             if step != best:
                 raise AgentError(f"recovery source sent step {step}, expected {best}")
             self._committed = best
             self._has_state = True
-            return int(data.numel())
+            return int(header.numel()) + sum(t.numel() * t.element_size() for t in large)
         return 0
 
     def _run(self, work: Any, pg: Any, stale: Callable[[], bool]) -> None:
@@ -473,15 +492,17 @@ class Job:
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """All-reduce the gradients over the live group and step the optimizers.
 
-        Returns True when the step committed. On False (a peer failed, or the group
-        changed) the gradients are dropped, nothing was stepped, and ``job.batches``
-        yields the same step again once the new generation is ready.
+        Returns True when the step committed. If a peer fails during the all-reduce, the
+        step waits for the new generation and, when this rank keeps its rank in a group of
+        the same size, repeats only the all-reduce with the gradients it already has (the
+        rank's new holder computes the lost rank's share): the step still commits, nothing
+        is recomputed here. Otherwise (the group shrank, the rank changed, or this rank
+        received newer state) it returns False: the gradients are dropped, nothing was
+        stepped, and ``job.batches`` yields the step again in the new generation.
         """
         self._step_called = True
         if self._regroup or self._pg is None:
             self._enter_generation()
-        gen, pg = self._gen, self._pg
-        assert gen is not None
         step = self._in_step if self._in_step is not None else self._committed + 1
         params = [
             p
@@ -491,18 +512,26 @@ class Job:
             if p.requires_grad
         ]
         params = list(dict.fromkeys(params))  # a parameter shared by two optimizers: once
-        with self._lock:
-            switch_wanted = self._latest is not None and self._latest.generation > gen.generation
-        buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0)
-        try:
-            self._run(pg.allreduce([buf], dist.AllreduceOptions()), pg, self._stale(gen))
-        except Abandoned:
-            self._discard(params)
-            return False
-        except CollectiveError as exc:
-            self._discard(params)
-            self._collective_failed(gen, self.rank, exc)
-            return False
+        while True:
+            gen, pg = self._gen, self._pg
+            assert gen is not None
+            with self._lock:
+                switch_wanted = (
+                    self._latest is not None and self._latest.generation > gen.generation
+                )
+            # The all-reduce runs on a flat copy: the parameters' own gradients stay intact
+            # whatever a failed collective leaves in ``buf``.
+            buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0)
+            try:
+                self._run(pg.allreduce([buf], dist.AllreduceOptions()), pg, self._stale(gen))
+                break
+            except Abandoned:
+                pass
+            except CollectiveError as exc:
+                self._collective_failed(gen, self.rank, exc)
+            if not self._keeps_gradients(gen):
+                self._discard(params)
+                return False
         if self._exiting:  # fenced meanwhile: never commit after that
             self._fence("a newer generation does not name this member")
         switch = bool(buf[-1].item() > 0)
@@ -515,6 +544,24 @@ class Job:
         if switch:
             self._switch_at_boundary(gen)
         return True
+
+    def _keeps_gradients(self, old: Generation) -> bool:
+        """Enter the next generation from inside a step; True if this step's gradients hold.
+
+        The gradient of (step, rank) is a pure function of the state at the last commit, the
+        step and the rank (``job.batches`` and the per-step seeds). So a survivor that keeps
+        its rank in a group of the same size, and whose state the new generation's sync did
+        not replace, only has to redo the all-reduce; the rank's new holder computes the lost
+        rank's gradient from the state it received. Nothing is recomputed on the survivors,
+        and the all-reduce sums the same gradients in the same order as without the failure.
+        """
+        rank, committed = self._rank, self._committed
+        self._enter_generation()
+        new = self._gen
+        assert new is not None
+        return (
+            new.world_size == old.world_size and self._rank == rank and self._committed == committed
+        )
 
     def _discard(self, params: list[torch.nn.Parameter]) -> None:
         self._lost_steps = 1

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -24,25 +26,136 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any, /) -> Any: ...
 
 
-def pack_state(tracked: Mapping[str, Stateful], step: int) -> bytes:
-    """``torch.save`` bytes of every tracked state dict and the committed step."""
-    buf = io.BytesIO()
-    torch.save(
-        {"step": step, "state": {name: obj.state_dict() for name, obj in tracked.items()}}, buf
+INLINE_MAX_BYTES = 64 * 1024  # smaller tensors travel inside the pickled header
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A large tensor of the state, sent on its own: its index, dtype and shape."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    on_cpu: bool
+
+
+def _is_dense(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and not value.is_quantized
+        and not value.is_nested
     )
-    return buf.getvalue()
 
 
-def unpack_state(data: bytes, tracked: Mapping[str, Stateful]) -> int:
-    """Load bytes from :func:`pack_state` into the tracked objects; returns the step.
+def _strip(value: Any, large: list[torch.Tensor]) -> Any:
+    """The state with every large dense tensor replaced by a :class:`_Slot` into ``large``."""
+    if _is_dense(value) and value.numel() * value.element_size() > INLINE_MAX_BYTES:
+        large.append(value.detach())
+        return _Slot(len(large) - 1, value.dtype, tuple(value.shape), value.device.type == "cpu")
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _strip(v, large)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_strip(v, large) for v in value)
+    return value  # small tensors and anything else are pickled in the header as they are
 
-    Raises:
-        ValueError: the sender tracked different names than this process.
+
+def _fill(value: Any, large: list[torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        return large[value.index]
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _fill(v, large)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_fill(v, large) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class PackedState:
+    """The tracked state split for sending: a small header and the large tensors as they are.
+
+    ``header`` (``uint8``) is the pickled structure: dict keys, hyper-parameters, the small
+    tensors (Adam's per-parameter ``step``), and a slot for each large tensor. ``large`` are
+    the large tensors themselves as flat ``uint8`` views on the group's device, so sending
+    them copies nothing on the sender: no ``torch.save`` of the weights and moments, no
+    intermediate buffer.
     """
+
+    header: torch.Tensor
+    large: list[torch.Tensor]
+
+
+def pack_state(
+    tracked: Mapping[str, Stateful], step: int, device: torch.device | None = None
+) -> PackedState:
+    """Split every tracked state dict and the committed step for sending to ``device``."""
+    device = device or torch.device("cpu")
+    large: list[torch.Tensor] = []
+    skeleton = _strip(
+        {"step": step, "state": {name: obj.state_dict() for name, obj in tracked.items()}},
+        large,
+    )
+    meta = io.BytesIO()
+    torch.save(skeleton, meta)
+    header = torch.frombuffer(bytearray(meta.getvalue()), dtype=torch.uint8).to(device)
+    flat = [t.to(device).contiguous().reshape(-1).view(torch.uint8) for t in large]
+    return PackedState(header, flat)
+
+
+def read_header(header: torch.Tensor) -> Any:
+    """The structure in a received header (its large tensors still slots)."""
     # The bytes come from a peer of the same job over its own process group, which runs the
     # same script: they are as trusted as the script, and optimizer/scheduler state dicts
     # may hold objects that weights_only loading refuses.
-    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    try:
+        return torch.load(
+            io.BytesIO(header.cpu().numpy().tobytes()), map_location="cpu", weights_only=False
+        )
+    except Exception as exc:
+        raise ValueError(f"recovery state header is malformed: {exc}") from exc
+
+
+def slots(skeleton: Any) -> list[_Slot]:
+    """The large tensors a header announces, in sending order."""
+    found: list[_Slot] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, _Slot):
+            found.append(value)
+        elif type(value) in (dict, OrderedDict):
+            for v in value.values():
+                walk(v)
+        elif type(value) in (list, tuple):
+            for v in value:
+                walk(v)
+
+    walk(skeleton)
+    return sorted(found, key=lambda s: s.index)
+
+
+def empty_for(slot: _Slot, device: torch.device) -> torch.Tensor:
+    """A tensor to receive ``slot`` into (receive into its flat ``uint8`` view)."""
+    return torch.empty(slot.shape, dtype=slot.dtype, device=device)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The flat ``uint8`` view of a contiguous tensor (what travels on the wire)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def unpack_state(skeleton: Any, large: list[torch.Tensor], tracked: Mapping[str, Stateful]) -> int:
+    """Load a received state (header structure + its large tensors) into ``tracked``.
+
+    Returns the step. Raises ValueError when the sender tracked different names.
+    """
+    found = slots(skeleton)
+    if len(found) != len(large):
+        raise ValueError(f"recovery state announces {len(found)} tensors, got {len(large)}")
+    placed = [
+        t.cpu() if slot.on_cpu and t.device.type != "cpu" else t
+        for slot, t in zip(found, large, strict=True)
+    ]
+    payload = _fill(skeleton, placed)
     state = payload["state"]
     if set(state) != set(tracked):
         raise ValueError(
@@ -52,6 +165,20 @@ def unpack_state(data: bytes, tracked: Mapping[str, Stateful]) -> int:
     for name, obj in tracked.items():
         obj.load_state_dict(state[name])
     return int(payload["step"])
+
+
+def transfer_locally(
+    tracked_from: Mapping[str, Stateful], tracked_to: Mapping[str, Stateful], step: int
+) -> int:
+    """Pack, "send" by copying, and unpack within one process (tests, benchmarks)."""
+    packed = pack_state(tracked_from, step)
+    skeleton = read_header(packed.header.clone())
+    large = []
+    for slot, data in zip(slots(skeleton), packed.large, strict=True):
+        t = empty_for(slot, torch.device("cpu"))
+        as_bytes(t).copy_(data)
+        large.append(t)
+    return unpack_state(skeleton, large, tracked_to)
 
 
 def _feed(h: Any, value: Any) -> None:

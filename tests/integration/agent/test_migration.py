@@ -74,6 +74,11 @@ async def test_sigkill_mid_step_hot_spare_takes_the_rank(runner: JobRunner) -> N
         ),
     )
     assert max(r.lost_steps or 0 for r in resumed) <= 1
+    # A survivor whose state the sync did not replace keeps its gradients of the step in
+    # flight and only repeats the all-reduce: it recomputes nothing.
+    kept = [r for r in resumed if not r.bytes_received and r.member_id != f"{job.job_id}-s0"]
+    assert kept, resumed
+    assert all(r.lost_steps == 0 for r in kept), resumed
     spare = next(r for r in resumed if r.member_id == f"{job.job_id}-s0")
     assert (spare.bytes_received or 0) > 0
     assert all(r.stall_ms is not None for r in resumed)
