@@ -579,16 +579,27 @@ class Bus:
             raise RpcFailed(subject, reply.error or RpcError(code="internal", message="?"))
         return reply.result
 
-    async def serve(self, service: str, verb: str, handler: RpcHandler) -> Any:
+    async def serve(
+        self, service: str, verb: str, handler: RpcHandler, *, concurrency: int = 64
+    ) -> Any:
         """Answer ``tr.rpc.<service>.<verb>`` in the service's queue group.
 
         The handler takes the decoded JSON object and returns a JSON-able result (pydantic
         models are dumped). Invalid requests get an ``invalid`` error naming the field; an
         unexpected exception gets ``internal``; the service keeps serving.
-        """
-        subject = Subjects.rpc(service, verb)
 
-        async def _on_request(msg: Msg) -> None:
+        Up to ``concurrency`` requests of this verb are handled at once, each in its own task
+        (a slow one does not hold up the others); beyond that the subscription waits for a
+        free slot, so requests queue in NATS instead of piling up as tasks.
+        """
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+        subject = Subjects.rpc(service, verb)
+        slots = asyncio.Semaphore(concurrency)
+        # The event loop keeps only weak references to tasks: hold the running ones.
+        running: set[asyncio.Task[None]] = set()
+
+        async def _answer(msg: Msg) -> None:
             outcome = "ok"
             ctx = context_from_headers(_headers(msg))
             with tracer().start_as_current_span(
@@ -626,6 +637,16 @@ class Bus:
             if msg.reply:
                 with contextlib.suppress(Exception):
                     await msg.respond(reply.model_dump_json().encode())
+
+        def _done(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            slots.release()
+
+        async def _on_request(msg: Msg) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(_answer(msg), name=f"rpc:{subject}")
+            running.add(task)
+            task.add_done_callback(_done)
 
         sub = await self.nc.subscribe(subject, queue=f"rpc-{service}", cb=_on_request)
         self._subs.append(sub)

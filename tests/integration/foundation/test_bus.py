@@ -249,6 +249,60 @@ async def test_rpc_invalid_request_names_field_and_service_keeps_serving(bus: Bu
     assert ok == {"twice": 8}
 
 
+async def test_rpc_requests_of_one_verb_are_answered_concurrently(bus: Bus) -> None:
+    # Each request waits until all four are being handled: served one at a time, the first
+    # would wait forever and every request would time out.
+    arrived = 0
+    all_in = asyncio.Event()
+
+    async def gather(body: dict[str, object]) -> dict[str, object]:
+        nonlocal arrived
+        arrived += 1
+        if arrived == 4:
+            all_in.set()
+        await asyncio.wait_for(all_in.wait(), 5)
+        return {"n": body["n"]}
+
+    await bus.serve("calc", "gather", gather)
+    subject = Subjects.rpc("calc", "gather")
+    answers = await asyncio.gather(*(bus.request(subject, {"n": n}, timeout=3) for n in range(4)))
+    assert answers == [{"n": n} for n in range(4)]
+
+
+async def test_rpc_concurrency_is_bounded_and_errors_still_answered(bus: Bus) -> None:
+    running = peak = 0
+    release = asyncio.Event()
+
+    async def slow(body: dict[str, object]) -> dict[str, object]:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        try:
+            await release.wait()
+            if body.get("fail"):
+                raise RuntimeError("boom")
+            return {"n": body["n"]}
+        finally:
+            running -= 1
+
+    await bus.serve("calc", "slow", slow, concurrency=2)
+    subject = Subjects.rpc("calc", "slow")
+    calls = [
+        asyncio.ensure_future(bus.request(subject, {"n": n, "fail": n == 3}, timeout=5))
+        for n in range(5)
+    ]
+    await wait_for(lambda: running == 2, timeout=5)
+    await asyncio.sleep(0.2)  # the other three are waiting for a slot, not running
+    assert running == 2
+    release.set()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert peak == 2
+    assert [r for n, r in enumerate(results) if n != 3] == [{"n": n} for n in (0, 1, 2, 4)]
+    assert isinstance(results[3], RpcFailed)
+    assert results[3].error.code == "internal"
+    assert "boom" in results[3].error.message
+
+
 async def test_kv_update_with_stale_revision_is_refused(bus: Bus) -> None:
     gen1 = Generation(
         job_id="kvjob",
