@@ -11,6 +11,18 @@ import gc
 import sys
 
 
+def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
+    """After a full collection, move what survived it out of the next ones.
+
+    The detector's state (per-GPU windows, episodes, jobs) lives for hours and grows with the
+    fleet: a full collection scanned 200,000+ such objects, a 30-200 ms stall of the event
+    loop (and of any XID waiting in it). Frozen objects are still freed by reference count;
+    only a reference cycle that was alive at the freeze and dies later is not reclaimed.
+    """
+    if phase == "stop" and info.get("generation") == 2:
+        gc.freeze()
+
+
 def main(argv: list[str]) -> int:
     """Run the service, or the node agent when the first argument is ``agent``."""
     if argv[:1] == ["agent"]:
@@ -24,6 +36,7 @@ def main(argv: list[str]) -> int:
     # the libraries out of every full garbage collection (30+ ms each, a latency spike).
     gc.collect()
     gc.freeze()
+    gc.callbacks.append(_freeze_survivors)
     run_service("detector", setup, DetectorSettings)
     return 0
 

@@ -74,6 +74,7 @@ FORWARD_PREFIX_CRITICAL = "tr.int.detector-critical"
 FORWARD_SUBJECT_HEADER = "Tr-Subject"
 INVENTORY_SILENT_S = 30.0
 MAX_QUEUED_BATCHES = 50_000
+INVENTORY_CHUNK = 100  # nodes encoded and written per step of an inventory flush
 _CRITICAL = b'"critical":true'
 _CRITICAL_SPACED = b'"critical": true'
 
@@ -595,27 +596,31 @@ class Detector:
             dirty, self.dirty = self.dirty, set()
         else:
             dirty = only
-        by_cluster: dict[str, dict[str, dict[str, Any]]] = {}
         now = time.time()
-        for cluster, node in dirty:
-            samples = self.latest.get((cluster, node), {})
-            by_cluster.setdefault(cluster, {})[node] = {
-                "last_seen": now,
-                "backend": next((g[0] for g in samples.values()), None),
-                "gpus": [
-                    {
-                        "gpu": gpu,
-                        "model": model,
-                        "temperature_c": temperature,
-                        "power_w": power,
-                        "sample_ts": round(ts, 3),
-                        **({"slow_factor": slow} if slow is not None else {}),
-                    }
-                    for gpu, (_, model, temperature, power, ts, slow) in sorted(samples.items())
-                ],
-            }
-        for cluster, inv in by_cluster.items():
-            await self.nodes.record_inventory(cluster, inv)
+        nodes = list(dirty)
+        # In chunks, each written before the next is encoded: 2,000 nodes at once held the
+        # event loop (and any XID behind it) for 100-370 ms.
+        for start in range(0, len(nodes), INVENTORY_CHUNK):
+            by_cluster: dict[str, dict[str, dict[str, Any]]] = {}
+            for cluster, node in nodes[start : start + INVENTORY_CHUNK]:
+                samples = self.latest.get((cluster, node), {})
+                by_cluster.setdefault(cluster, {})[node] = {
+                    "last_seen": now,
+                    "backend": next((g[0] for g in samples.values()), None),
+                    "gpus": [
+                        {
+                            "gpu": gpu,
+                            "model": model,
+                            "temperature_c": temperature,
+                            "power_w": power,
+                            "sample_ts": round(ts, 3),
+                            **({"slow_factor": slow} if slow is not None else {}),
+                        }
+                        for gpu, (_, model, temperature, power, ts, slow) in sorted(samples.items())
+                    ],
+                }
+            for cluster, inv in by_cluster.items():
+                await self.nodes.record_inventory(cluster, inv)
 
     # ----------------------------------------------------------------- heartbeats
 

@@ -9,10 +9,13 @@ node agents of 8 GPUs each (one batch per node, as an agent publishes it).
    ``detector_samples_total`` on ``/metrics``) is what it sustains. The detector's CPU time
    (``/proc``) gives samples per CPU-second: what one core sustains even when the machine is
    shared (the wall-clock figure drops with the machine's load, which is printed).
-2. latency at load: telemetry is paced at 90% of the sustained rate (then 50%, then none)
-   while an XID 79 is injected every 50 ms on a GPU not seen before, on the critical subject
-   as the node agent sends it; latency = arrival of its ``FaultDetected`` at a subscriber in
-   another process minus the XID sample's timestamp (same clock), p50 and p99.
+2. latency at load: telemetry is offered at the target load (20,000 samples/s, a fixed rate,
+   not as fast as the detector goes), then at 90% of the sustained rate (near saturation,
+   where latency is mostly queueing), then with no telemetry at all, while an XID 79 is
+   injected every 50 ms on a GPU not seen before, on the critical subject as the node agent
+   sends it; latency = arrival of its ``FaultDetected`` at a subscriber in another process
+   minus the XID sample's timestamp taken before it is published (same clock), p50 and p99.
+   The headline is the figure at the target load; what one core sustains is phase 1's.
 3. rules only: the same batches decoded and evaluated in-process without NATS (the ceiling
    of the pure rules path on this CPU).
 
@@ -328,6 +331,10 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
+def _ms(values: list[float], q: float) -> float | None:
+    return round(_pct(values, q) * 1000, 2) if values else None
+
+
 async def _main() -> dict[str, Any]:
     now = time.time()
     _BATCHES[:] = [_batch(n, now) for n in _nodes()]
@@ -361,14 +368,14 @@ async def _main() -> dict[str, Any]:
                 base = capacity or 2000.0
                 listener = _start_listener(nats.url)
                 try:
-                    sent_full, achieved = await _latency_at(bus, 0.9 * base)
-                    sent_half, _ = await _latency_at(bus, 0.5 * base)
+                    sent_target, achieved = await _latency_at(bus, TARGET_SAMPLES_PER_S)
+                    sent_full, achieved_full = await _latency_at(bus, 0.9 * base)
                     sent_idle, _ = await _latency_at(bus, 0.0)
                     await asyncio.sleep(2.0)  # the last probes' faults come in
                 finally:
                     arrivals = _arrivals(listener)
-                latencies = _latencies(sent_full, arrivals)
-                half = _latencies(sent_half, arrivals)
+                latencies = _latencies(sent_target, arrivals)
+                full = _latencies(sent_full, arrivals)
                 idle = _latencies(sent_idle, arrivals)
         finally:
             await bus.close()
@@ -385,13 +392,14 @@ async def _main() -> dict[str, Any]:
         "load_average_1m": round(os.getloadavg()[0], 2),
         "rules_only_samples_per_s": round(rules_only),
         "latency_load_samples_per_s": round(achieved),
-        "fault_latency_p50_ms": round(_pct(latencies, 0.50) * 1000, 2) if latencies else None,
-        "fault_latency_p99_ms": round(_pct(latencies, 0.99) * 1000, 2) if latencies else None,
+        "fault_latency_p50_ms": _ms(latencies, 0.50),
+        "fault_latency_p99_ms": _ms(latencies, 0.99),
         "faults_measured": len(latencies),
-        "fault_latency_half_load_p50_ms": round(_pct(half, 0.50) * 1000, 2) if half else None,
-        "fault_latency_half_load_p99_ms": round(_pct(half, 0.99) * 1000, 2) if half else None,
-        "fault_latency_idle_p50_ms": round(_pct(idle, 0.50) * 1000, 2) if idle else None,
-        "fault_latency_idle_p99_ms": round(_pct(idle, 0.99) * 1000, 2) if idle else None,
+        "near_saturation_load_samples_per_s": round(achieved_full),
+        "fault_latency_near_saturation_p50_ms": _ms(full, 0.50),
+        "fault_latency_near_saturation_p99_ms": _ms(full, 0.99),
+        "fault_latency_idle_p50_ms": _ms(idle, 0.50),
+        "fault_latency_idle_p99_ms": _ms(idle, 0.99),
         "nodes": NODES,
         "gpus_per_node": GPUS,
         "cpus": os.cpu_count(),
@@ -415,14 +423,19 @@ def run() -> dict[str, Any]:
             f"target {TARGET_SAMPLES_PER_S}",
         ),
         ("samples/s rules only (decode+evaluate)", r["rules_only_samples_per_s"], ""),
-        ("load during latency phase (samples/s)", r["latency_load_samples_per_s"], ""),
-        ("fault latency p50 (ms)", r["fault_latency_p50_ms"], ""),
-        ("fault latency p99 (ms)", r["fault_latency_p99_ms"], f"target < {TARGET_P99_MS:g}"),
-        ("at half that load: p50 (ms)", r["fault_latency_half_load_p50_ms"], ""),
-        ("at half that load: p99 (ms)", r["fault_latency_half_load_p99_ms"], ""),
+        ("target load offered (samples/s)", r["latency_load_samples_per_s"], "fixed rate"),
+        ("fault latency p50 (ms) at target load", r["fault_latency_p50_ms"], ""),
+        (
+            "fault latency p99 (ms) at target load",
+            r["fault_latency_p99_ms"],
+            f"target < {TARGET_P99_MS:g}",
+        ),
+        ("faults measured (at target load)", r["faults_measured"], ""),
+        ("near saturation (samples/s)", r["near_saturation_load_samples_per_s"], "90% sustained"),
+        ("near saturation: p50 (ms)", r["fault_latency_near_saturation_p50_ms"], "queueing"),
+        ("near saturation: p99 (ms)", r["fault_latency_near_saturation_p99_ms"], "queueing"),
         ("no telemetry load: p50 (ms)", r["fault_latency_idle_p50_ms"], ""),
         ("no telemetry load: p99 (ms)", r["fault_latency_idle_p99_ms"], ""),
-        ("faults measured (at 90% load)", r["faults_measured"], ""),
         ("machine load average (1 min)", r["load_average_1m"], f"{r['cpus']} CPUs"),
     ]
     print("detector benchmark (one replica, one process)")

@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.detector.agent import NodeAgent
-from services.detector.service import Detector
+from services.detector.service import INVENTORY_CHUNK, Detector
 from tests.integration.detector.conftest import (
     Collector,
     register_job,
@@ -351,6 +351,35 @@ async def test_node_rpc_and_return_to_service(
         await health.wait_for(lambda h: h.health == NodeHealth.QUARANTINED)
     assert again[1].repeat == 2
     assert "escalated" in again[1].evidence
+
+
+async def test_the_periodic_inventory_flush_writes_every_node_of_a_large_fleet(
+    nats_url: str, redis_url: str, bus: Bus
+) -> None:
+    # More nodes than one flush step writes (INVENTORY_CHUNK), in two clusters.
+    nodes = [(f"inv{i}", "east" if i % 2 else "west") for i in range(2 * INVENTORY_CHUNK + 37)]
+    async with running_detector(nats_url, redis_url, detector_inventory_interval_s=3600) as det:
+        for temperature in (50.0, 71.5):
+            for node, cluster in nodes:
+                await send(
+                    bus,
+                    node,
+                    [sample(node, g, cluster=cluster, temperature_c=temperature) for g in range(2)],
+                    cluster=cluster,
+                )
+            await bus.nc.flush()
+            deadline = time.monotonic() + 20
+            while det.m_samples._value.get() < 2 * len(nodes) * (1 if temperature < 60 else 2):
+                assert time.monotonic() < deadline, "the detector did not evaluate every batch"
+                await asyncio.sleep(0.05)
+            await det.drain()
+        await det._flush_inventory()
+        listed = await bus.request(Subjects.rpc("detector", "node_list"), {})
+    by_node = {(n["cluster"], n["node"]): n for n in listed}
+    assert set(by_node) == {(c, n) for n, c in nodes}
+    for view in by_node.values():
+        assert [g["temperature_c"] for g in view["gpus"]] == [71.5, 71.5]
+        assert view["reporting"] is True
 
 
 async def test_circuit_breaker_refuses_to_take_out_too_much_of_a_cluster(
