@@ -29,7 +29,25 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
+        """The URL for the test process itself: with the stack's break-glass ``admin`` user
+        in it when authentication is on (tests that replay or forge events on purpose).
+        Processes the tests start get the plain URL and find their own role's credential
+        in ``stack.json`` (:meth:`env`)."""
+        return self.url_as("admin")
+
+    @property
+    def plain_nats_url(self) -> str:
         return str(self.info["nats_url"])
+
+    def url_as(self, role: str) -> str:
+        """The NATS URL with ``role``'s user and password (the plain URL without auth)."""
+        url = self.plain_nats_url
+        cred = (self.info.get("credentials") or {}).get(role)
+        if not cred:
+            return url
+        user, _, password = Path(cred).read_text().strip().partition(":")
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://{user}:{password}@{rest}"
 
     @property
     def api_url(self) -> str:
@@ -39,7 +57,7 @@ class Stack:
         env = dict(os.environ)
         env.update(
             {
-                "NATS_URL": self.nats_url,
+                "NATS_URL": self.plain_nats_url,
                 "REDIS_URL": str(self.info["redis_url"]),
                 "TORCHRELAY_HOME": str(self.state_dir),
                 "PYTHONUNBUFFERED": "1",
@@ -71,7 +89,7 @@ def start_stack(state_dir: Path, env_extra: dict[str, str] | None = None) -> Sta
     """Start a supervised stack in ``state_dir``; ``env_extra`` reaches every service."""
     state_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    for var in ("NATS_URL", "REDIS_URL"):
+    for var in ("NATS_URL", "REDIS_URL", "TORCHRELAY_NATS_CREDENTIALS", "TORCHRELAY_AUTH_DIR"):
         env.pop(var, None)
     env.update(env_extra or {})
     env["TORCHRELAY_TRACE_FILE"] = str(state_dir / "traces.jsonl")

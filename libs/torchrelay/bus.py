@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -175,6 +177,39 @@ class Delivery:
     headers: dict[str, str]
 
 
+JOB_USER_PREFIX = "job."
+JOB_INBOX_PREFIX = "_INBOX_"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """TLS material for the NATS connection: a CA bundle and an optional client cert/key."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca or self.cert)
+
+    @classmethod
+    def from_env(cls) -> TlsFiles:
+        """``TORCHRELAY_NATS_TLS_CA`` / ``_CERT`` / ``_KEY``."""
+        return cls(
+            os.environ.get("TORCHRELAY_NATS_TLS_CA") or None,
+            os.environ.get("TORCHRELAY_NATS_TLS_CERT") or None,
+            os.environ.get("TORCHRELAY_NATS_TLS_KEY") or None,
+        )
+
+    def context(self) -> ssl.SSLContext:
+        """A client SSL context verifying the server against ``ca``."""
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
 EventHandler = Callable[[Event, Delivery], Awaitable[None]]
 RpcHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 
@@ -196,6 +231,12 @@ class Bus:
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
         self._stopping = asyncio.Event()
+        self.user = "(anonymous)"
+        # Set when connected with a job-scoped credential: the generation is read through
+        # the job's own direct-get and KV subject (no consumers, no other keys).
+        self.job_id: str | None = None
+        # Permission violations the server reported on this connection (newest last).
+        self.refusals: list[str] = []
 
     # ----------------------------------------------------------------- connection
 
@@ -210,17 +251,19 @@ class Bus:
         metrics: ServiceMetrics | None = None,
         user: str | None = None,
         password: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> Bus:
         """Connect with retry until ``timeout``; fail with a message naming ``NATS_URL``.
 
         Args:
-            url: one or more ``nats://`` URLs, comma-separated.
+            url: one or more ``nats://`` (or ``tls://``) URLs, comma-separated.
             service: the process's name (logs, dead letters, connection name).
             credentials: a ``.creds`` file, or a file holding ``user:password``.
             timeout: how long to keep retrying the first connection.
             metrics: the service's metrics, to count dead letters.
             user: user name (instead of a credentials file).
             password: password for ``user``.
+            tls: CA / client certificate / key files (default: ``TORCHRELAY_NATS_TLS_*``).
         """
         opts: dict[str, Any] = {
             "name": service,
@@ -229,7 +272,12 @@ class Bus:
             "allow_reconnect": True,
         }
         if credentials:
-            text = open(credentials).read().strip()  # noqa: ASYNC230, SIM115
+            try:
+                text = open(credentials).read().strip()  # noqa: ASYNC230, SIM115
+            except OSError as exc:
+                raise BusError(
+                    f"TORCHRELAY_NATS_CREDENTIALS {credentials} cannot be read: {exc}"
+                ) from exc
             if "BEGIN NATS USER JWT" in text:
                 opts["user_credentials"] = credentials
             else:
@@ -237,11 +285,30 @@ class Bus:
         if user:
             opts["user"] = user
             opts["password"] = password or ""
+        job_id = user[len(JOB_USER_PREFIX) :] if user and user.startswith(JOB_USER_PREFIX) else None
+        if job_id:
+            # A job's credential may subscribe to replies under its own inbox prefix only.
+            opts["inbox_prefix"] = f"{JOB_INBOX_PREFIX}{job_id}"
+        tls = tls if tls is not None else TlsFiles.from_env()
+        if tls.enabled:
+            opts["tls"] = tls.context()
+        who = user or ("(.creds)" if "user_credentials" in opts else "(anonymous)")
+        holder: list[Bus] = []
 
-        async def _quiet(_exc: Exception) -> None:
-            return None
+        async def _on_error(exc: Exception) -> None:
+            text = str(exc)
+            if "permissions violation" in text.lower() or "authorization" in text.lower():
+                log.error(
+                    "NATS refused an operation of %s (user %s): %s",
+                    service,
+                    who,
+                    text,
+                    extra={"nats_user": who, "refusal": text},
+                )
+                if holder:
+                    holder[0].refusals.append(text)
 
-        opts["error_cb"] = _quiet
+        opts["error_cb"] = _on_error
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         servers = [u.strip() for u in url.split(",")]
@@ -254,11 +321,18 @@ class Bus:
                     nats.connect(servers=servers, connect_timeout=min(2.0, timeout), **opts),
                     remaining,
                 )
-                return cls(nc, service, metrics)
+                bus = cls(nc, service, metrics)
+                bus.user = who
+                bus.job_id = job_id
+                holder.append(bus)
+                return bus
             except (nats.errors.NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
                 last = exc
-                if "Authorization" in str(exc):
-                    break
+                if "Authorization" in str(exc) or "authorization" in str(exc):
+                    raise BusError(
+                        f"NATS_URL {url} refused user {who} of {service}: {exc}; check "
+                        "TORCHRELAY_NATS_CREDENTIALS (a job credential ends with its job)"
+                    ) from exc
                 await asyncio.sleep(0.2)
         raise BusError(
             f"NATS_URL {url} refused the connection ({type(last).__name__}: {last}); start it "
@@ -316,6 +390,7 @@ class Bus:
                         history=16,
                         storage=StorageType.FILE,
                         replicas=self._replicas,
+                        direct=True,
                     )
                 )
         return self._kv
@@ -656,6 +731,8 @@ class Bus:
 
     async def get_generation(self, job_id: str) -> tuple[Generation, int] | None:
         """The job's current generation and its KV revision, or None if it has none."""
+        if self.job_id is not None:
+            return await self.get_generation_direct(job_id)
         kv = await self.generations()
         try:
             entry = await kv.get(job_id)
@@ -664,6 +741,25 @@ class Bus:
         if entry.value is None:
             return None
         return Generation.model_validate_json(entry.value), int(entry.revision or 0)
+
+    async def get_generation_direct(
+        self, job_id: str, timeout: float = 5.0
+    ) -> tuple[Generation, int] | None:
+        """The job's generation through the bucket's direct get of its key's last value
+        (what a job-scoped credential may do; the bucket allows direct gets)."""
+        subject = f"$JS.API.DIRECT.GET.KV_{GENERATIONS_BUCKET}.$KV.{GENERATIONS_BUCKET}.{job_id}"
+        try:
+            msg = await self.nc.request(subject, b"", timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise BusError(f"no direct get on {subject}: the bucket lacks allow_direct") from exc
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status == "404" or headers.get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+            return None
+        if status:
+            raise BusError(f"direct get of {subject}: {status} {headers.get('Description', '')}")
+        revision = int(headers.get("Nats-Sequence", "0") or 0)
+        return Generation.model_validate_json(msg.data), revision
 
     async def put_generation(self, generation: Generation, expected_revision: int | None) -> int:
         """Write a generation with compare-and-set; ``None`` means the key must not exist.
@@ -713,6 +809,7 @@ __all__ = [
     "RequestInvalid",
     "RpcFailed",
     "StaleRevision",
+    "TlsFiles",
     "TransientError",
     "validation_message",
 ]

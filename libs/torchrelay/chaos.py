@@ -23,7 +23,7 @@ from typing import Any
 
 from torchrelay.bus import Bus, BusError, NoResponder, RpcFailed
 from torchrelay.contract import Subjects
-from torchrelay.launcher import LauncherError, resolve_nats_url
+from torchrelay.launcher import LauncherError, resolve_credentials, resolve_nats_url
 
 PROCESS_FAULTS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 EXIT_FAILED = 1
@@ -49,9 +49,7 @@ async def _lookup_pid(bus: Bus, job_id: str, rank: int) -> dict[str, Any]:
 
 
 async def _chaos(args: argparse.Namespace, url: str) -> int:
-    bus = await Bus.connect(
-        url, "chaos", timeout=5.0, credentials=os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None
-    )
+    bus = await Bus.connect(url, "chaos", timeout=5.0, credentials=resolve_credentials("operator"))
     try:
         if args.fault in PROCESS_FAULTS:
             try:

@@ -219,7 +219,17 @@ CONSUMERS: dict[str, ConsumerSpec] = {
 # Request/reply verbs each service answers on ``tr.rpc.<service>.<verb>``.
 RPC_VERBS: dict[str, tuple[str, ...]] = {
     "detector": ("cluster_list", "node_list", "node_get", "node_return"),
-    "scheduler": ("job_list", "job_get", "job_timeline", "incident_list", "incident_get", "drain"),
+    "scheduler": (
+        "job_list",
+        "job_get",
+        "job_timeline",
+        "incident_list",
+        "incident_get",
+        "drain",
+        # Job-scoped NATS credentials (issue #12): the launcher's role only.
+        "job_credentials",
+        "job_credentials_revoke",
+    ),
     "spare_pool": (
         "register",
         "reserve",
@@ -583,6 +593,23 @@ class FenceOrder(Message):
     member_id: Token
     generation: int
     reason: str
+
+
+class JobCredentialsRequest(Message):
+    """The launcher asks the scheduler (``job_credentials``) for a job-scoped NATS user."""
+
+    job_id: Token
+    tenant: Token
+    ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, le=30 * 24 * 3600.0)
+
+
+class JobCredentials(Message):
+    """A job-scoped NATS user: publish the job's heartbeats/reports, read its generation."""
+
+    job_id: Token
+    user: str
+    password: str
+    expires_at: UtcDatetime
 
 
 # --------------------------------------------------------------------------- migration

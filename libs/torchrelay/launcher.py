@@ -36,6 +36,8 @@ from torchrelay.contract import (
     AgentReport,
     FenceOrder,
     Generation,
+    JobCredentials,
+    JobCredentialsRequest,
     JobFinished,
     JobPolicy,
     JobRegistered,
@@ -82,6 +84,28 @@ def resolve_nats_url(environ: dict[str, str] | None = None) -> str:
         raise LauncherError(
             "no torchrelay stack: run `torchrelay up --detach` or set NATS_URL"
         ) from exc
+
+
+def resolve_credentials(role: str, environ: dict[str, str] | None = None) -> str | None:
+    """The NATS credential file of ``role``: ``TORCHRELAY_NATS_CREDENTIALS``, else the one
+    ``stack.json`` of ``<TORCHRELAY_HOME or ./.torchrelay>`` names for the role, else None
+    (an open server)."""
+    env = os.environ if environ is None else environ
+    given = env.get("TORCHRELAY_NATS_CREDENTIALS")
+    if given:
+        return given
+    stack = Path(env.get("TORCHRELAY_HOME", ".torchrelay")) / "stack.json"
+    try:
+        data = json.loads(stack.read_text())
+    except (OSError, ValueError):
+        return None
+    creds = data.get("credentials") or {}
+    path = creds.get(role) if isinstance(creds, dict) else None
+    if not path:
+        return None
+    if env.get("NATS_URL") and env.get("NATS_URL") != data.get("nats_url"):
+        return None  # another server than the stack's
+    return str(path)
 
 
 def slot_of(index: int, nodes: int, cluster: str) -> tuple[str, int]:
@@ -166,6 +190,7 @@ class Options:
     credentials: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     node_agents: bool = True
+    node_agent_credentials: str | None = None
 
 
 class Launcher:
@@ -183,6 +208,8 @@ class Launcher:
         self._subs: list[Any] = []
         self._gave_up: str | None = None  # the control plane's verdict: no live migration
         self._node_agents: list[asyncio.subprocess.Process] = []
+        # The job-scoped credential the children connect with (None on an open server).
+        self.job_credentials: Path | None = None
 
     @property
     def bus(self) -> Bus:
@@ -207,11 +234,46 @@ class Launcher:
                 "NATS_URL": self.opts.nats_url,
             }
         )
-        if self.opts.credentials:
-            env["TORCHRELAY_NATS_CREDENTIALS"] = self.opts.credentials
+        if self.job_credentials is not None:
+            env["TORCHRELAY_NATS_CREDENTIALS"] = str(self.job_credentials)
         else:
             env.pop("TORCHRELAY_NATS_CREDENTIALS", None)
         return env
+
+    async def _obtain_job_credentials(self) -> None:
+        """Ask the scheduler for this job's credential; write it 0600 into the run dir.
+
+        Only with a credential of our own: on an open server the children need none.
+        """
+        o = self.opts
+        if not o.credentials:
+            return
+        got = await self.bus.request(
+            Subjects.rpc("scheduler", "job_credentials"),
+            JobCredentialsRequest(job_id=o.job_id, tenant=o.tenant),
+            timeout=10.0,
+        )
+        creds = JobCredentials.model_validate(got)
+        path = o.run_dir / "nats-job.cred"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"{creds.user}:{creds.password}\n")
+        os.chmod(path, 0o600)
+        self.job_credentials = path
+
+    async def _revoke_job_credentials(self) -> None:
+        """The job ended: its credential stops working (the scheduler also revokes it on
+        ``job.finished``, and it expires on its own)."""
+        if self.job_credentials is None:
+            return
+        with contextlib.suppress(BusError):
+            await self.bus.request(
+                Subjects.rpc("scheduler", "job_credentials_revoke"),
+                {"job_id": self.opts.job_id},
+                timeout=5.0,
+            )
+        with contextlib.suppress(OSError):
+            self.job_credentials.unlink()
 
     async def _spawn(self, child: Child) -> None:
         self.children[child.member_id] = child
@@ -244,6 +306,10 @@ class Launcher:
         total = o.nproc + o.spares
         gpus = max(8, -(-total // o.nodes) + 2)  # room for cold spares spawned later
         env = {**os.environ, "NATS_URL": o.nats_url, "TORCHRELAY_CLUSTER": o.cluster}
+        if o.node_agent_credentials:
+            env["TORCHRELAY_NATS_CREDENTIALS"] = o.node_agent_credentials
+        else:
+            env.pop("TORCHRELAY_NATS_CREDENTIALS", None)
         for k in range(o.nodes):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -575,6 +641,14 @@ class Launcher:
             loop.add_signal_handler(signum, self._on_signal, signum)
         try:
             await self._ensure_streams()
+            try:
+                await self._obtain_job_credentials()
+            except BusError as exc:
+                print(
+                    f"torchrelay run: no credential for job {o.job_id} from the scheduler: {exc}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
             for verb, handler in (("spawn_spare", self._on_spawn_spare), ("pid", self._on_pid)):
                 await self._serve(Subjects.launcher(o.job_id, verb), handler)
             await self._serve(Subjects.fence(o.job_id), self._on_fence)
@@ -650,6 +724,7 @@ class Launcher:
         )
         with contextlib.suppress(BusError):
             await self.bus.publish(event, Subjects.JOB_FINISHED, retry_for=5.0)
+        await self._revoke_job_credentials()
         lines = [
             f"torchrelay run: job {self.opts.job_id} {outcome}: {summary}",
             f"  generation: {current.generation if current else 0}",
@@ -702,8 +777,13 @@ def options_from_args(args: argparse.Namespace) -> Options:
         nats_url=resolve_nats_url(),
         cluster=cluster,
         run_dir=(home / "runs" / job_id).resolve(),
-        credentials=os.environ.get("TORCHRELAY_NATS_CREDENTIALS") or None,
+        credentials=resolve_credentials("launcher"),
         node_agents=not getattr(args, "no_node_agents", False),
+        node_agent_credentials=os.environ.get("TORCHRELAY_NODE_AGENT_CREDENTIALS")
+        or resolve_credentials(
+            "node_agent",
+            {k: v for k, v in os.environ.items() if k != "TORCHRELAY_NATS_CREDENTIALS"},
+        ),
     )
 
 

@@ -185,9 +185,18 @@ def nats_server(state_dir: Path, port: int | None = None, extra_config: str = ""
 
 
 def redis_server(
-    state_dir: Path, port: int | None = None, password: str | None = None
+    state_dir: Path,
+    port: int | None = None,
+    password: str | None = None,
+    aclfile: Path | None = None,
 ) -> ServerProcess:
-    """Prepare (not start) an embedded ``redis-server`` with AOF ``appendfsync always``."""
+    """Prepare (not start) an embedded ``redis-server`` with AOF ``appendfsync always``.
+
+    Args:
+        password: the ``default`` user's password (``requirepass``, or the ACL file's).
+        aclfile: an ACL file defining ``default`` (with ``password``) and one user per
+            service; the URL returned is the default user's.
+    """
     port = port or free_port()
     data = state_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
@@ -211,8 +220,11 @@ def redis_server(
         "no",
     ]
     auth = ""
-    if password:
+    if aclfile is not None:
+        argv += ["--aclfile", str(aclfile)]
+    elif password:
         argv += ["--requirepass", password]
+    if password:
         auth = f":{password}@"
     return ServerProcess(
         "redis-server",

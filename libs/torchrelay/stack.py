@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay.auth import ADMIN, AuthBundle, ensure_bundle
 from torchrelay.contract import SERVICES
 from torchrelay.runtime import ServerProcess, free_port, nats_server, redis_server
 from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX
@@ -107,17 +108,40 @@ class Supervisor:
     servers: dict[str, ServerProcess] = field(default_factory=dict)
     operator_token: str | None = None
     stopping: bool = False
+    auth: AuthBundle | None = None
+    nats_auth: bool = False
+
+    def _auth_bundle(self) -> AuthBundle | None:
+        """The stack's credentials: generated under ``<state>/auth`` for embedded servers,
+        or the directory ``TORCHRELAY_AUTH_DIR`` (``torchrelay auth init``) for external ones."""
+        external = os.environ.get("TORCHRELAY_AUTH_DIR")
+        if external:
+            return ensure_bundle(Path(external))
+        if not self.nats_url or not self.redis_url:
+            return ensure_bundle(self.state_dir / "auth")
+        return None
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.auth = self._auth_bundle()
         if not self.nats_url:
-            self.servers["nats"] = nats_server(self.state_dir)
+            extra = self.auth.nats_authorization() if self.auth else ""
+            self.servers["nats"] = nats_server(self.state_dir, extra_config=extra)
             self.servers["nats"].start()
             self.nats_url = self.servers["nats"].url
+            self.nats_auth = self.auth is not None
+        else:
+            self.nats_auth = bool(os.environ.get("TORCHRELAY_AUTH_DIR"))
+        redis_host = redis_port = None
         if not self.redis_url:
-            self.servers["redis"] = redis_server(self.state_dir)
+            self.servers["redis"] = redis_server(
+                self.state_dir,
+                password=self.auth.redis_password if self.auth else None,
+                aclfile=self.auth.redis_acl_path if self.auth else None,
+            )
             self.servers["redis"].start()
             self.redis_url = self.servers["redis"].url
+            redis_host, redis_port = self.servers["redis"].host, self.servers["redis"].port
         embedded = "nats" in self.servers and "redis" in self.servers
         self.operator_token = os.environ.get("TORCHRELAY_OPERATOR_TOKEN") or (
             DEV_OPERATOR_TOKEN_PREFIX + secrets.token_urlsafe(24) if embedded else None
@@ -138,6 +162,15 @@ class Supervisor:
         for name in SERVICES:
             port = free_port()
             env = dict(base, TORCHRELAY_HTTP_PORT=str(port))
+            if self.auth is not None and self.nats_auth:
+                env["TORCHRELAY_NATS_CREDENTIALS"] = str(self.auth.cred_path(name))
+                if name == "scheduler":
+                    env["TORCHRELAY_AUTH_ISSUER_SEED_FILE"] = str(
+                        self.auth.directory / "issuer.seed"
+                    )
+            if self.auth is not None and redis_host is not None and redis_port is not None:
+                # Each service its own Redis user, limited to its key prefix.
+                env["REDIS_URL"] = self.auth.redis_url(redis_host, redis_port, role=name)
             svc = ManagedService(name, port, env, self.state_dir / "logs" / f"{name}.log")
             svc.start()
             self.services[name] = svc
@@ -198,6 +231,17 @@ class Supervisor:
             "redis_url": self.redis_url,
             "api_url": f"http://127.0.0.1:{api.port}" if api else None,
             "operator_token": self.operator_token,
+            "auth": bool(self.nats_auth),
+            # The credentials `torchrelay run` (launcher), the CLI (operator) and the node
+            # agents connect with; `admin` is the break-glass user of tests and recovery.
+            "credentials": (
+                {
+                    role: str(self.auth.cred_path(role))
+                    for role in ("launcher", "operator", "node_agent", ADMIN)
+                }
+                if self.auth is not None and self.nats_auth
+                else {}
+            ),
             "services": {
                 n: {"pid": s.proc.pid if s.proc else None, "port": s.port, "restarts": s.restarts}
                 for n, s in self.services.items()

@@ -47,6 +47,7 @@ from torchrelay.contract import (
 from torchrelay.service import ServiceContext
 
 from . import rules
+from .credentials import setup_credentials
 from .incidents import IncidentStore
 from .registry import JobRegistry
 
@@ -607,4 +608,5 @@ async def setup(ctx: ServiceContext) -> None:
     ctx.closers.append(_final_flush)
     for verb in ("job_list", "job_get", "job_timeline", "incident_list", "incident_get", "drain"):
         await ctx.serve(verb, getattr(scheduler, verb))
+    await setup_credentials(ctx)  # job-scoped NATS credentials, auth callout (credentials.py)
     ctx.readiness["consumer"] = "scheduler"

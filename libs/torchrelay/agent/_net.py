@@ -18,7 +18,7 @@ import nats.errors
 import nats.js.errors
 
 from torchrelay.bus import Bus
-from torchrelay.contract import Event, Generation, Message
+from torchrelay.contract import GENERATIONS_BUCKET, Event, Generation, Message
 
 log = logging.getLogger("torchrelay.agent")
 
@@ -105,7 +105,32 @@ class NetThread:
         """Call ``on_generation`` (on this thread) for the job's current and every new
         generation; a periodic read covers updates a broken watch would miss."""
 
+        async def _watch_job_subject() -> None:
+            # A job-scoped credential may not create consumers: a core subscription on the
+            # key's subject sees the executor's puts live.
+            async def _on(msg: Any) -> None:
+                op = (msg.headers or {}).get("KV-Operation")
+                if not msg.data or op in ("DEL", "PURGE"):
+                    return
+                try:
+                    on_generation(Generation.model_validate_json(msg.data))
+                except Exception as exc:
+                    log.warning("torchrelay agent: bad generation on %s: %r", msg.subject, exc)
+
+            sub = await self.bus.nc.subscribe(f"$KV.{GENERATIONS_BUCKET}.{job_id}", cb=_on)
+            try:
+                found = await self.bus.get_generation(job_id)
+                if found is not None:
+                    on_generation(found[0])
+                await asyncio.Event().wait()
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
         async def _watch() -> None:
+            if self.bus.job_id is not None:
+                await _watch_job_subject()
+                return
             while True:
                 try:
                     kv = await self.bus.generations()
