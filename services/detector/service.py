@@ -137,6 +137,30 @@ class NodeListQuery(BaseModel):
     cluster: Name | None = None
 
 
+def _assignment(
+    got: tuple[int, list[dict[str, Any]]] | None,
+    member_id: str,
+    rank: int | None,
+    node: str,
+    gpu: int,
+) -> tuple[int, str, int] | None:
+    """(rank, node, gpu) of a member in the newest generation ``got``.
+
+    The report's own values for a job the detector never saw registered; None when the
+    member holds no rank (a spare, or a member fenced out by a newer generation).
+    """
+    if got is None:
+        return None if rank is None else (rank, node, gpu)
+    for a in got[1]:
+        if a["member_id"] == member_id:
+            return int(a["rank"]), str(a["node"]), int(a["gpu"])
+    return None
+
+
+async def _none() -> None:
+    return None
+
+
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat()
 
@@ -712,22 +736,6 @@ class Detector:
                 return int(a["rank"])
         return None
 
-    async def _assignment(
-        self, job_id: str, member_id: str, rank: int | None, node: str, gpu: int
-    ) -> tuple[int, str, int] | None:
-        """(rank, node, gpu) of a member in the newest generation.
-
-        The report's own values for a job the detector never saw registered; None when the
-        member holds no rank (a spare, or a member fenced out by a newer generation).
-        """
-        got = await self.jobs.ranks(job_id)
-        if got is None:
-            return None if rank is None else (rank, node, gpu)
-        for a in got[1]:
-            if a["member_id"] == member_id:
-                return int(a["rank"]), str(a["node"]), int(a["gpu"])
-        return None
-
     async def _member_silent(self, job_id: str, m: MemberProgress, now: float) -> None:
         if (
             await self.jobs.finished(job_id)
@@ -769,21 +777,22 @@ class Detector:
         """One worker_lost per member, whichever signal (exit, silence, peer) comes first."""
         self.recent_loss[job_id] = time.time()
         key = self.episodes.key("member", job_id, member_id, "worker_lost")
-        new, _, _ = await self.episodes.open(key, at, quiet_s=float(JOB_TTL_S))
+        # A process dying on a GPU that just failed is the same failure seen twice: say so,
+        # so that the scheduler can count it once. Read alongside the episode: one round trip.
+        (new, _, _), related = await asyncio.gather(
+            self.episodes.open(key, at, quiet_s=float(JOB_TTL_S)),
+            self.jobs.slot_fault(cluster, node, gpu) if gpu is not None else _none(),
+        )
         if not new:
             return
         fault_id = make_event_id("worker_lost", job_id, member_id)
         row = TAXONOMY[FaultKind.WORKER_LOST]
-        if gpu is not None:
-            # A process dying on a GPU that just failed is the same failure seen twice: say
-            # so, so that the scheduler can count it once.
-            related = await self.jobs.slot_fault(cluster, node, gpu)
-            if related is not None:
-                evidence = {
-                    **evidence,
-                    "related_fault_id": related[0],
-                    "related_fault_kind": related[1],
-                }
+        if related is not None:
+            evidence = {
+                **evidence,
+                "related_fault_id": related[0],
+                "related_fault_kind": related[1],
+            }
         await self._publish_fault(
             FaultDetected(
                 event_id=fault_id,
@@ -945,7 +954,7 @@ class Detector:
             # that silence is not a lost worker.
             await self.jobs.mark_exited(r.job_id, r.member_id)
         elif r.kind == ReportKind.WORKER_EXIT:
-            await self.jobs.mark_exited(r.job_id, r.member_id)
+            known = await self.jobs.mark_exited_and_read(r.job_id, r.member_id)
             code = r.exit_code
             # The launcher prefixes its verdict: a process that crashed on its way out after
             # job.finish() ("finished: killed by SIGABRT") lost nothing.
@@ -956,9 +965,9 @@ class Detector:
                 await self.jobs.mark_app_error(r.job_id)
                 await self._application_error(r, at)
                 return
-            if await self.jobs.app_error(r.job_id) or await self.jobs.finished(r.job_id):
+            if known.app_error or known.finished:
                 return  # killed by the launcher after the job failed or finished
-            slot = await self._assignment(r.job_id, r.member_id, r.rank, r.node, r.gpu)
+            slot = _assignment(known.ranks, r.member_id, r.rank, r.node, r.gpu)
             if slot is None:
                 return  # a spare, or a member that no longer holds a rank
             rank, node, gpu = slot
@@ -966,7 +975,7 @@ class Detector:
                 r.job_id,
                 r.member_id,
                 rank,
-                await self.jobs.cluster_of(r.job_id),
+                known.cluster,
                 node,
                 gpu,
                 at,
@@ -984,10 +993,11 @@ class Detector:
                     r.member_id,
                 )
                 return
-            peer = await self.jobs.member_of_rank(r.job_id, r.peer_rank)
+            peer, cluster = await asyncio.gather(
+                self.jobs.member_of_rank(r.job_id, r.peer_rank), self.jobs.cluster_of(r.job_id)
+            )
             if peer is None:
                 return
-            cluster = await self.jobs.cluster_of(r.job_id)
             await self._worker_lost(
                 r.job_id,
                 peer["member_id"],

@@ -209,6 +209,23 @@ class SlotHolder:
     tenant: str | None
 
 
+@dataclass(frozen=True)
+class ExitContext:
+    """What the detector needs to judge a member's exit, read in one round trip."""
+
+    app_error: bool
+    finished: bool
+    ranks: tuple[int, list[dict[str, Any]]] | None
+    cluster: str
+
+
+def _ranks(raw: dict[Any, Any]) -> tuple[int, list[dict[str, Any]]] | None:
+    if not raw:
+        return None
+    data = {_s(k): _s(v) for k, v in raw.items()}
+    return int(data["generation"]), cast(list[dict[str, Any]], json.loads(data["ranks"]))
+
+
 class JobDirectory:
     """Which member of which job holds which rank on which slot (from the durable reports)."""
 
@@ -291,11 +308,7 @@ class JobDirectory:
 
     async def ranks(self, job_id: str) -> tuple[int, list[dict[str, Any]]] | None:
         """The newest generation's number and rank assignments, or None if unknown."""
-        raw = await self._r.hgetall(self._k(job_id, "gen"))
-        if not raw:
-            return None
-        data = {_s(k): _s(v) for k, v in raw.items()}
-        return int(data["generation"]), cast(list[dict[str, Any]], json.loads(data["ranks"]))
+        return _ranks(await self._r.hgetall(self._k(job_id, "gen")))
 
     async def rank_of(self, job_id: str, member_id: str) -> int | None:
         """The rank ``member_id`` holds in the newest generation (None: not, or unknown job)."""
@@ -369,6 +382,24 @@ class JobDirectory:
         """A member's process exited (its heartbeats stopping is then no news)."""
         await self._r.sadd(self._k(job_id, "exited"), member_id)
         await self._r.expire(self._k(job_id, "exited"), JOB_TTL_S)
+
+    async def mark_exited_and_read(self, job_id: str, member_id: str) -> ExitContext:
+        """:meth:`mark_exited`, and what judging the exit needs, in one round trip (this is
+        on the path from a killed rank to its ``worker_lost``: one trip instead of six)."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.sadd(self._k(job_id, "exited"), member_id)
+        pipe.expire(self._k(job_id, "exited"), JOB_TTL_S)
+        pipe.exists(self._k(job_id, "app_error"))
+        pipe.exists(self._k(job_id, "finished"))
+        pipe.hgetall(self._k(job_id, "gen"))
+        pipe.hget(self._k(job_id, "meta"), "cluster")
+        _, _, app_error, finished, gen, cluster = await pipe.execute()
+        return ExitContext(
+            app_error=bool(app_error),
+            finished=bool(finished),
+            ranks=_ranks(gen),
+            cluster=_s(cluster) if cluster else "local",
+        )
 
     async def exited(self, job_id: str, member_id: str) -> bool:
         """Whether the launcher reported the member's exit."""

@@ -357,7 +357,8 @@ async def test_the_periodic_inventory_flush_writes_every_node_of_a_large_fleet(
     nats_url: str, redis_url: str, bus: Bus
 ) -> None:
     # More nodes than one flush step writes (INVENTORY_CHUNK), in two clusters.
-    nodes = [(f"inv{i}", "east" if i % 2 else "west") for i in range(2 * INVENTORY_CHUNK + 37)]
+    clusters = ("inv-east", "inv-west")
+    nodes = [(f"inv{i}", clusters[i % 2]) for i in range(2 * INVENTORY_CHUNK + 37)]
     async with running_detector(nats_url, redis_url, detector_inventory_interval_s=3600) as det:
         for temperature in (50.0, 71.5):
             for node, cluster in nodes:
@@ -374,7 +375,11 @@ async def test_the_periodic_inventory_flush_writes_every_node_of_a_large_fleet(
                 await asyncio.sleep(0.05)
             await det.drain()
         await det._flush_inventory()
-        listed = await bus.request(Subjects.rpc("detector", "node_list"), {})
+        listed = [
+            n
+            for c in clusters
+            for n in await bus.request(Subjects.rpc("detector", "node_list"), {"cluster": c})
+        ]
     by_node = {(n["cluster"], n["node"]): n for n in listed}
     assert set(by_node) == {(c, n) for n, c in nodes}
     for view in by_node.values():
