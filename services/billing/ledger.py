@@ -323,8 +323,11 @@ class Ledger:
         content = incident.model_dump(mode="json")
         content_digest = digest(content)
         entry_class = classify(incident)
+        # The cached head saves a round trip per append; a stale one is refused by the
+        # script, which answers the real head to build on next.
+        cached = self._heads.get(chain)
+        seq, prev = cached if cached is not None else await self.head(chain)
         for _ in range(MAX_APPEND_TRIES):
-            seq, prev = await self.head(chain)
             entry = seal(
                 {
                     "seq": seq + 1,

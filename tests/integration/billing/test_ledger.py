@@ -310,3 +310,20 @@ async def test_a_ledger_in_another_process_sees_a_moved_head(
     entries = await ledger.entries(c.contract_id)
     assert [e["incident_id"] for e in entries] == ["a", "b", "c"]
     assert (await ledger.verify())["ok"]
+
+
+async def test_an_append_on_a_known_head_is_one_round_trip_fewer(
+    ledger: Ledger, redis: aioredis.Redis
+) -> None:
+    # The head this ledger appended last is not read back before the next append.
+    c = await make_contract(ledger)
+    await ledger.record(make_incident("a"))
+    await redis.config_resetstat()
+    assert (await ledger.record(make_incident("b"))).seq == 2
+    stats = await redis.info("commandstats")  # counts the script's own commands too
+    assert stats["cmdstat_hmget"]["calls"] == 1  # only the script's check of the head
+    # ... and a head moved meanwhile by another writer costs one refused try, not an entry.
+    await Ledger(redis, ledger.prefix).record(make_incident("c"))
+    assert (await ledger.record(make_incident("d"))).seq == 4
+    assert [e["seq"] for e in await ledger.entries(c.contract_id)] == [1, 2, 3, 4]
+    assert (await ledger.verify(c.contract_id))["ok"]
