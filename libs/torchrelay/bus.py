@@ -64,6 +64,10 @@ class BusError(RuntimeError):
     """A bus operation failed; the message says which and what to do."""
 
 
+class PermissionRefused(BusError):
+    """The NATS server refused an operation: this connection's user may not do it."""
+
+
 class NoResponder(BusError):
     """A request got no answer within its deadline."""
 
@@ -179,6 +183,7 @@ class Delivery:
 
 JOB_USER_PREFIX = "job."
 JOB_INBOX_PREFIX = "_INBOX_"
+AUTH_GRACE_S = 3.0  # how long a connect goes on while the server refuses the credential
 
 
 @dataclass(frozen=True)
@@ -295,9 +300,14 @@ class Bus:
         who = user or ("(.creds)" if "user_credentials" in opts else "(anonymous)")
         holder: list[Bus] = []
 
+        refused_at: list[float] = []  # authorization violations while connecting
+
         async def _on_error(exc: Exception) -> None:
             text = str(exc)
             if "permissions violation" in text.lower() or "authorization" in text.lower():
+                if not holder:
+                    refused_at.append(time.monotonic())
+                    return
                 log.error(
                     "NATS refused an operation of %s (user %s): %s",
                     service,
@@ -305,22 +315,43 @@ class Bus:
                     text,
                     extra={"nats_user": who, "refusal": text},
                 )
-                if holder:
-                    holder[0].refusals.append(text)
+                holder[0].refusals.append(text)
+                del holder[0].refusals[:-100]
 
         opts["error_cb"] = _on_error
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         servers = [u.strip() for u in url.split(",")]
         while time.monotonic() < deadline:
+            # With max_reconnect_attempts=-1 nats-py retries an unreachable (or refusing)
+            # server forever inside connect(); bound it by our own deadline, and give up
+            # early when the server keeps refusing the credential (a job credential is
+            # checked by the scheduler's callout, which may be restarting: a short grace).
+            task = asyncio.ensure_future(
+                nats.connect(servers=servers, connect_timeout=min(2.0, timeout), **opts)
+            )
             try:
-                # With max_reconnect_attempts=-1 nats-py retries an unreachable server forever
-                # inside connect(); bound it by our own deadline.
-                remaining = max(0.5, deadline - time.monotonic())
-                nc = await asyncio.wait_for(
-                    nats.connect(servers=servers, connect_timeout=min(2.0, timeout), **opts),
-                    remaining,
-                )
+                while not task.done():
+                    await asyncio.wait({task}, timeout=0.1)
+                    now = time.monotonic()
+                    if task.done():
+                        break
+                    if now > deadline or (refused_at and now - refused_at[0] > AUTH_GRACE_S):
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await task
+                        break
+                if task.cancelled() or not task.done():
+                    if refused_at:
+                        log.error("NATS refused user %s of %s at connect", who, service)
+                        raise BusError(
+                            f"NATS_URL {url} refused user {who} of {service}: "
+                            "Authorization Violation; check TORCHRELAY_NATS_CREDENTIALS (a job "
+                            "credential ends with its job)"
+                        )
+                    last = TimeoutError(f"no connection within {timeout:g}s")
+                    break
+                nc = task.result()
                 bus = cls(nc, service, metrics)
                 bus.user = who
                 bus.job_id = job_id
@@ -328,7 +359,7 @@ class Bus:
                 return bus
             except (nats.errors.NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
                 last = exc
-                if "Authorization" in str(exc) or "authorization" in str(exc):
+                if "authorization" in str(exc).lower():
                     raise BusError(
                         f"NATS_URL {url} refused user {who} of {service}: {exc}; check "
                         "TORCHRELAY_NATS_CREDENTIALS (a job credential ends with its job)"
@@ -338,6 +369,15 @@ class Bus:
             f"NATS_URL {url} refused the connection ({type(last).__name__}: {last}); start it "
             "with 'torchrelay up' or unset NATS_URL to use the embedded server"
         )
+
+    def refused(self, subject: str) -> str | None:
+        """The server's latest permission violation naming ``subject``, if any."""
+        # nats-py lower-cases the server's -ERR text.
+        quoted = f'"{subject}"'.lower()
+        for text in reversed(self.refusals):
+            if quoted in text.lower():
+                return text
+        return None
 
     async def close(self) -> None:
         """Stop consumers, drain subscriptions and close the connection."""
@@ -433,6 +473,11 @@ class Bus:
                     nats.errors.ConnectionReconnectingError,
                     TimeoutError,
                 ) as exc:
+                    refused = self.refused(subject)
+                    if refused:
+                        raise PermissionRefused(
+                            f"NATS refused publish to {subject} for user {self.user}: {refused}"
+                        ) from exc
                     if time.monotonic() > deadline:
                         raise BusError(
                             f"publish to {subject} failed for {retry_for:.0f}s: {exc!r}"
@@ -645,6 +690,11 @@ class Bus:
         except nats.errors.NoRespondersError as exc:
             raise NoResponder(f"no service answers {subject}: is it running?") from exc
         except (nats.errors.TimeoutError, TimeoutError) as exc:
+            refused = self.refused(subject)
+            if refused:
+                raise PermissionRefused(
+                    f"NATS refused a request on {subject} for user {self.user}: {refused}"
+                ) from exc
             raise NoResponder(f"no reply on {subject} within {timeout:g}s") from exc
         try:
             reply = RpcReply.model_validate_json(msg.data)
@@ -805,6 +855,7 @@ __all__ = [
     "NoResponder",
     "NotFound",
     "PermanentError",
+    "PermissionRefused",
     "RedisDeduper",
     "RequestInvalid",
     "RpcFailed",
