@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -55,7 +55,7 @@ from torchrelay.contract import (
 from torchrelay.service import ServiceContext
 from torchrelay.settings import ServiceSettings, SettingsError
 
-from .inventory import LeaseEnd, SlotView, SpareInventory
+from .inventory import Lease, LeaseEnd, SlotView, SpareInventory
 from .rules import (
     DepthRequest,
     GetRequest,
@@ -114,6 +114,7 @@ class SparePool:
         # Hot spares whose beats matter; refreshed by every sweep. Every job's heartbeats
         # arrive here, and most are not from spares: they are dropped without a Redis call.
         self._tracked: set[str] = set()
+        self._pending: set[asyncio.Future[None]] = set()
         registry = ctx.metrics.registry
         self.available = Gauge(
             "spares_available",
@@ -246,6 +247,13 @@ class SparePool:
             raise outcome.error or NotFound("no spare fits", None)
         lease = outcome.lease
         self.reservations.labels("replayed" if lease.replayed else "granted").inc()
+        # The lease is committed (the inventory is the source of truth): answer now. The
+        # reply is on the path of a migrating job's stall; the audit event (JetStream, fsync)
+        # and the depth alarm are not, so they follow it instead of holding it up.
+        self._background(self._after_reserve(lease))
+        return lease.to_json()
+
+    async def _after_reserve(self, lease: Lease) -> None:
         await self._publish(
             SpareReserved(
                 event_id=make_event_id("spare_reserved", lease.lease_id),
@@ -258,7 +266,21 @@ class SparePool:
             Subjects.SPARE_RESERVED,
         )
         await self._check_slots([lease.slot])
-        return lease.to_json()
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._pending.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Future[None]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.warning("after a reservation: %r", task.exception())
+
+    async def drain(self) -> None:
+        """Wait for the work that follows answered reservations (shutdown, tests)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def confirm(self, body: dict[str, Any]) -> dict[str, Any]:
         """``confirm``: the leased slot is now in use by the job."""
@@ -511,6 +533,7 @@ async def setup(ctx: ServiceContext) -> None:
         await pool.check_depth()
     ctx.readiness["inventory"] = "ok"
     ctx.spawn(pool.run_sweeper(), "spare-pool-sweeper")
+    ctx.closers.append(pool.drain)
 
 
 __all__ = ["SparePool", "SparePoolSettings", "pool_settings", "setup"]
