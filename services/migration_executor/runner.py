@@ -130,15 +130,20 @@ class SagaRunner:
                     "torchrelay.phase": state.phase.value if state else "gone",
                 },
             ):
-                await self._drive_steps(migration_id)
+                await self._drive_steps(migration_id, state)
         finally:
             if self._tasks.get(migration_id) is asyncio.current_task():
                 del self._tasks[migration_id]
 
-    async def _drive_steps(self, migration_id: str) -> None:
+    async def _drive_steps(self, migration_id: str, loaded: SagaState | None) -> None:
+        # This task is the saga's only writer: the state a step persisted is the next step's
+        # input (re-reading it from Redis cost a round trip per step on the stall's path).
+        # Escalations arrive as a separate flag that every step reads.
+        state = loaded
         while True:
             try:
-                state = await self.store.load(migration_id)
+                if state is None:
+                    state = await self.store.load(migration_id)
                 if state is None:
                     return
                 if state.phase == Phase.DONE:
@@ -154,6 +159,7 @@ class SagaRunner:
             if moved is None:
                 if migration_id in self._again:
                     self._again.discard(migration_id)
+                    state = None  # something changed outside this task: read it again
                     continue
                 return
             if moved.phase == Phase.DONE:
@@ -161,6 +167,7 @@ class SagaRunner:
                 if self.on_done is not None:
                     self.on_done(moved)
                 return
+            state = moved
 
     async def _save(self, state: SagaState) -> SagaState:
         await self.store.save(state)
@@ -182,14 +189,15 @@ class SagaRunner:
         """Perform the action of ``state``'s phase; the persisted next state, or None."""
         if state.to_release or state.to_quarantine or state.to_fence:
             return await self._compensate(state)
-        if await self.store.escalation_requested(state.migration_id):
+        escalation, job_finished = await self.store.step_flags(state.migration_id, state.job_id)
+        if escalation:
             escalated = saga.escalate(state, now)
             if escalated is not state:
                 await self._save(escalated)
             await self.store.escalation_done(state.migration_id)
             if escalated is not state:
                 return escalated
-        if state.phase in saga.ABORTABLE and await self.store.finished(state.job_id):
+        if state.phase in saga.ABORTABLE and job_finished:
             return await self._save(saga.aborted(state, now, "the job finished"))
         if saga.waiting_for(state, now):
             return None

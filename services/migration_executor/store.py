@@ -127,6 +127,14 @@ class ExecutorStore:
     async def escalation_requested(self, migration_id: str) -> bool:
         return bool(await self._r.exists(f"{self._p}:escalate:{migration_id}"))
 
+    async def step_flags(self, migration_id: str, job_id: str) -> tuple[bool, bool]:
+        """(escalation requested, job finished), read in one round trip per saga step."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.exists(f"{self._p}:escalate:{migration_id}")
+        pipe.exists(f"{self._p}:finished:{job_id}")
+        escalation, finished = await pipe.execute()
+        return bool(escalation), bool(finished)
+
     async def escalation_done(self, migration_id: str) -> None:
         await self._r.delete(f"{self._p}:escalate:{migration_id}")
 
