@@ -147,13 +147,16 @@ class Scheduler:
         """Open one incident per hurt rank (or fold into the open one) and act on it."""
         decision = rules.decide(fault.kind, fault.severity, fault.action)
         if fault.job_id is not None:
-            placements = await self.jobs.active_placements(job_id=fault.job_id)
+            reading = self.jobs.active_placements(job_id=fault.job_id)
         else:
-            placements = await self.jobs.active_placements(cluster=fault.cluster, node=fault.node)
-        hurt = rules.affected_ranks(fault, placements)
+            reading = self.jobs.active_placements(cluster=fault.cluster, node=fault.node)
         if decision == rules.Decision.MIGRATE_NOW:
-            # Before the per-rank path: whichever sees the fault first folds it, once.
-            await self._fold_into_leaving(fault)
+            # Before the per-rank path: whichever sees the fault first folds it, once. It
+            # touches only a leaving member's incident: read the placements meanwhile.
+            placements, _ = await asyncio.gather(reading, self._fold_into_leaving(fault))
+        else:
+            placements = await reading
+        hurt = rules.affected_ranks(fault, placements)
         if not hurt:
             self.ctx.log.info(
                 "fault hurts no running rank",
@@ -183,17 +186,28 @@ class Scheduler:
                     await self._escalate(incident_id, fault)
                 continue
             # "opened", or "fault" (a redelivery after a crash): drive the incident's
-            # effects again; every publish below has a deterministic id.
-            await self._drive(incident_id, fault)
+            # effects again; every publish below has a deterministic id. Just opened, the
+            # record is the one written: no need to read it back before the decision goes out.
+            opened = (incident, placement.member_id, decision) if outcome == "opened" else None
+            await self._drive(incident_id, fault, opened)
 
-    async def _drive(self, incident_id: str, fault: FaultDetected) -> None:
-        record = await self.incidents.record(incident_id)
-        if record is None:
-            return
-        incident = Incident.model_validate(record["incident"])
+    async def _drive(
+        self,
+        incident_id: str,
+        fault: FaultDetected,
+        opened: tuple[Incident, str, rules.Decision] | None = None,
+    ) -> None:
+        if opened is not None:
+            incident, member_id, decision = opened
+        else:
+            record = await self.incidents.record(incident_id)
+            if record is None:
+                return
+            incident = Incident.model_validate(record["incident"])
+            member_id = record["member_id"]
+            decision = rules.Decision(record["decision"])
         if incident.fault_id != fault.fault_id:
             return  # a redelivered fault that was folded into another fault's incident
-        decision = rules.Decision(record["decision"])
         timeline: list[dict[str, Any]] = [
             {
                 "type": "incident_opened",
@@ -226,7 +240,7 @@ class Scheduler:
                     job_id=incident.job_id,
                     tenant=incident.tenant,
                     rank=incident.rank,
-                    member_id=record["member_id"],
+                    member_id=member_id,
                     node=incident.node,
                     gpu=incident.gpu,
                     mode=mode,
