@@ -15,6 +15,9 @@ Settings (``services.api.settings.ApiSettings``, prefix ``TORCHRELAY_``):
   kept in Redis under ``tr:api:pepper``).
 - ``TORCHRELAY_RPC_TIMEOUT_S`` (5), ``TORCHRELAY_TOKEN_CACHE_S`` (10),
   ``TORCHRELAY_UI_REFRESH_S`` (10), plus every ``ServiceSettings`` field.
+- ``TORCHRELAY_LIST_CACHE_S`` (1): identical ``GET /v1/incidents`` queries of one token
+  scope (operator, or one tenant) within this many seconds get the same answer, asked of
+  the scheduler once (0: ask every time).
 
 The dashboard: open ``/ui/login?token=<operator token>`` once; it sets an HttpOnly cookie
 for ``/ui`` and redirects to ``/ui``, which reloads itself every ``TORCHRELAY_UI_REFRESH_S``.

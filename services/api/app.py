@@ -34,6 +34,7 @@ from services.api.auth import (
     connect_token_redis,
     new_token,
 )
+from services.api.cache import ResponseCache
 from services.api.gateway import (
     ApiProblem,
     Gateway,
@@ -185,6 +186,7 @@ class ApiState:
         self.settings: ApiSettings | None = None
         self.gateway: Gateway | None = None
         self.tokens: TokenStore | None = None
+        self.lists = ResponseCache(0.0)
         self.bus: Bus | None = None
         self.redis: Any = None
         self.metrics = ServiceMetrics("api")
@@ -217,6 +219,10 @@ def state_of(request: Request) -> ApiState:
 
 async def gateway(request: Request) -> Gateway:
     return state_of(request).require()[0]
+
+
+async def list_cache(request: Request) -> ResponseCache:
+    return state_of(request).lists
 
 
 async def principal(
@@ -262,6 +268,7 @@ async def operator(who: Annotated[Principal, Depends(principal)]) -> Principal:
 Who = Annotated[Principal, Depends(principal)]
 Operator = Annotated[Principal, Depends(operator)]
 Gw = Annotated[Gateway, Depends(gateway)]
+Lists = Annotated[ResponseCache, Depends(list_cache)]
 
 
 # --------------------------------------------------------------------------- routes
@@ -573,6 +580,7 @@ def _add_routes(app: FastAPI) -> None:
     async def list_incidents(
         gw: Gw,
         who: Who,
+        lists: Lists,
         job_id: Annotated[str | None, Query(pattern=TOKEN_PATTERN, max_length=128)] = None,
         tenant: TenantQ = None,
         resolution: Resolution | None = None,
@@ -586,22 +594,25 @@ def _add_routes(app: FastAPI) -> None:
         tenant, visible = tenant_filter(who, tenant)
         if not visible:
             return _json(IncidentPage(items=[], next_cursor=None))
-        data = await gw.call(
-            "scheduler",
-            "incident_list",
-            {
-                "job_id": job_id,
-                "tenant": tenant,
-                "resolution": resolution.value if resolution else None,
-                "from": from_.isoformat() if from_ else None,
-                "to": to.isoformat() if to else None,
-                "limit": limit,
-                "cursor": cursor,
-            },
-        )
-        raw, nxt = items_of(data, "scheduler", "incident_list")
-        incidents = owned(parse_list(Incident, raw, "scheduler", "incident_list"), who)
-        return _json(IncidentPage(items=incidents, next_cursor=nxt))
+        query = {
+            "job_id": job_id,
+            "tenant": tenant,
+            "resolution": resolution.value if resolution else None,
+            "from": from_.isoformat() if from_ else None,
+            "to": to.isoformat() if to else None,
+            "limit": limit,
+            "cursor": cursor,
+        }
+
+        async def answer() -> bytes:
+            data = await gw.call("scheduler", "incident_list", query)
+            raw, nxt = items_of(data, "scheduler", "incident_list")
+            incidents = owned(parse_list(Incident, raw, "scheduler", "incident_list"), who)
+            return IncidentPage(items=incidents, next_cursor=nxt).model_dump_json().encode()
+
+        # The scope and tenant are in the key: a tenant never gets an answer made for another.
+        key = ("incidents", who.scope, who.tenant, *query.values())
+        return Response(await lists.get(key, answer), media_type="application/json")
 
     @app.get(
         f"{v1}/incidents/{{incident_id}}",
@@ -1021,6 +1032,7 @@ def create_app(
                 )
             assert st.bus is not None
             st.gateway = Gateway(st.bus, cfg.rpc_timeout_s)
+            st.lists = ResponseCache(cfg.list_cache_s)
             yield
         finally:
             st.gateway = None
@@ -1033,6 +1045,10 @@ def create_app(
         title="torchrelay portal API",
         version=__version__,
         lifespan=lifespan,
+        # One span per HTTP request (its trace goes on over NATS to the service); FastAPI's
+        # extra spans for dependency resolution, the endpoint and serialization cost about
+        # as much CPU again as a cached answer and are left out.
+        telemetry={"operation_spans": False},
         description=(
             "One authenticated surface over every torchrelay service. Send "
             "`Authorization: Bearer <token>`; errors are RFC 9457 problem documents "

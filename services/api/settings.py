@@ -65,6 +65,8 @@ class ApiSettings(ServiceSettings):
     rpc_timeout_s: float = Field(default=5.0, gt=0, le=120)
     # Authenticated tokens are remembered this long to keep Redis off the hot path.
     token_cache_s: float = Field(default=10.0, ge=0, le=600)
+    # Identical list queries of one token scope are answered from the last answer this long.
+    list_cache_s: float = Field(default=1.0, ge=0, le=60)
     ui_refresh_s: int = Field(default=10, ge=1, le=3600)
 
     @field_validator("operator_token")

@@ -1,0 +1,71 @@
+"""Answers of identical list queries, kept for a short time and computed once.
+
+Two hundred dashboards polling ``GET /v1/incidents`` ask the same question many times a
+second. Within ``TORCHRELAY_LIST_CACHE_S`` (default 1 s) the API answers a repeated query
+from the serialized answer it gave last instead of asking the service, validating and
+serializing again; concurrent identical queries share one computation (single-flight).
+The key holds the token's scope and tenant, so a tenant never receives an answer made for
+another scope. Errors are never kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Hashable
+
+MAX_ENTRIES = 4096
+
+
+class ResponseCache:
+    """Serialized answers by query key, each kept ``ttl_s`` seconds (0 keeps none)."""
+
+    def __init__(
+        self,
+        ttl_s: float,
+        max_entries: int = MAX_ENTRIES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._answers: dict[Hashable, tuple[float, bytes]] = {}
+        self._inflight: dict[Hashable, asyncio.Future[bytes]] = {}
+
+    async def get(self, key: Hashable, make: Callable[[], Awaitable[bytes]]) -> bytes:
+        """The answer kept for ``key``, or ``make()``'s, shared with concurrent callers.
+
+        ``make``'s exception reaches every caller waiting for it and nothing is kept.
+        """
+        now = self._clock()
+        kept = self._answers.get(key)
+        if kept is not None and kept[0] > now:
+            return kept[1]
+        shared = self._inflight.get(key)
+        if shared is None:
+            shared = asyncio.ensure_future(self._make(key, make))
+            self._inflight[key] = shared
+            shared.add_done_callback(lambda task, key=key: self._done(key, task))
+        # shield: one caller going away (client disconnect) must not cancel the others' answer.
+        return await asyncio.shield(shared)
+
+    async def _make(self, key: Hashable, make: Callable[[], Awaitable[bytes]]) -> bytes:
+        body = await make()
+        if self.ttl_s > 0:
+            if len(self._answers) >= self.max_entries:
+                self._evict()
+            self._answers[key] = (self._clock() + self.ttl_s, body)
+        return body
+
+    def _done(self, key: Hashable, task: asyncio.Future[bytes]) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here, so a failure nobody awaited is quiet
+
+    def _evict(self) -> None:
+        now = self._clock()
+        for key in [k for k, (expires, _) in self._answers.items() if expires <= now]:
+            del self._answers[key]
+        if len(self._answers) >= self.max_entries:
+            self._answers.clear()
