@@ -11,6 +11,7 @@ another scope. Errors are never kept.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Hashable
 
@@ -45,7 +46,7 @@ class ResponseCache:
         if shared is None:
             shared = asyncio.ensure_future(self._make(key, make))
             self._inflight[key] = shared
-            shared.add_done_callback(lambda task, key=key: self._done(key, task))
+            shared.add_done_callback(functools.partial(self._done, key))
         # shield: one caller going away (client disconnect) must not cancel the others' answer.
         return await asyncio.shield(shared)
 
