@@ -80,14 +80,18 @@ class SagaRunner:
 
     # ------------------------------------------------------------------ scheduling
 
-    def kick(self, migration_id: str) -> None:
-        """Advance a saga now (or right after the pass already running for it)."""
+    def kick(self, migration_id: str, created: SagaState | None = None) -> None:
+        """Advance a saga now (or right after the pass already running for it).
+
+        ``created``: the state just stored for a new saga, so its first step need not read
+        it back.
+        """
         task = self._tasks.get(migration_id)
         if task is not None and not task.done():
             self._again.add(migration_id)
             return
         self._tasks[migration_id] = asyncio.create_task(
-            self._drive(migration_id), name=f"saga:{migration_id[:12]}"
+            self._drive(migration_id, created), name=f"saga:{migration_id[:12]}"
         )
 
     async def kick_job(self, job_id: str) -> None:
@@ -118,9 +122,9 @@ class SagaRunner:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-    async def _drive(self, migration_id: str) -> None:
+    async def _drive(self, migration_id: str, created: SagaState | None = None) -> None:
         try:
-            state = await self.store.load(migration_id)
+            state = created if created is not None else await self.store.load(migration_id)
             parent = context_from_headers(state.trace if state is not None else None)
             with tracer().start_as_current_span(
                 "migration_executor saga",

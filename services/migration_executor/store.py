@@ -89,11 +89,16 @@ class ExecutorStore:
 
     async def lock_job(self, job_id: str, migration_id: str) -> bool:
         """Take the job's migration lock (re-entrant for the saga holding it)."""
-        key = f"{self._p}:joblock:{job_id}"
-        if await self._r.set(key, migration_id, nx=True):
-            return True
-        holder = await self._r.get(key)
-        return holder is not None and _text(holder) == migration_id
+        # One round trip: the saga usually holds it already (``create`` took it).
+        taken = await self._r.eval(
+            "local h = redis.call('GET', KEYS[1]) "
+            "if not h then redis.call('SET', KEYS[1], ARGV[1]) return 1 end "
+            "if h == ARGV[1] then return 1 end return 0",
+            1,
+            f"{self._p}:joblock:{job_id}",
+            migration_id,
+        )
+        return bool(taken)
 
     async def take_job_lock(self, job_id: str, migration_id: str, from_holder: str) -> bool:
         """Take the job's lock from ``from_holder`` (only if it still holds it)."""
