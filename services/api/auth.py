@@ -140,6 +140,14 @@ class TokenStore:
         token = new_token()
         return token, await self.store(token, scope, tenant)
 
+    def remembered(self, token: str) -> Principal | None:
+        """The principal of ``token`` if it was authenticated within the cache time, else
+        None (unknown, or not remembered: ask :meth:`authenticate`)."""
+        if not token or len(token) > 512 or self._cache_s <= 0:
+            return None
+        hit = self._cache.get(token_digest(self._pepper, token))
+        return hit[0] if hit is not None and hit[1] > time.monotonic() else None
+
     async def authenticate(self, token: str) -> Principal | None:
         """The principal of ``token``, or None when it is unknown."""
         if not token or len(token) > 512:

@@ -50,6 +50,15 @@ class ResponseCache:
         # shield: one caller going away (client disconnect) must not cancel the others' answer.
         return await asyncio.shield(shared)
 
+    def kept(self, key: Hashable) -> bytes | None:
+        """The answer kept for ``key`` if it is still fresh, else None."""
+        kept = self._answers.get(key)
+        return kept[1] if kept is not None and kept[0] > self._clock() else None
+
+    def pending(self, key: Hashable) -> asyncio.Future[bytes] | None:
+        """The computation of ``key``'s answer under way, if any (await it shielded)."""
+        return self._inflight.get(key)
+
     async def _make(self, key: Hashable, make: Callable[[], Awaitable[bytes]]) -> bytes:
         body = await make()
         if self.ttl_s > 0:
