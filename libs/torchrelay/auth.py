@@ -609,6 +609,36 @@ def ensure_bundle(directory: Path) -> AuthBundle:
     return bundle
 
 
+def compose_env_lines(bundle: AuthBundle) -> str:
+    """The ``.env`` lines docker-compose.yml reads the Redis passwords from."""
+    lines = [f"REDIS_PASSWORD={bundle.redis_password}"]
+    lines += [
+        f"REDIS_{role.upper()}_PASSWORD={password}"
+        for role, password in sorted(bundle.redis_passwords.items())
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_auth(args: Any) -> int:
+    """``torchrelay auth init --out DIR``: the credentials of an external deployment.
+
+    Writes (or completes, keeping existing secrets) the NATS authorization block, one
+    ``user:password`` file per role, the auth-callout issuer seed, the Redis ACL file and
+    ``compose.env`` (the Redis passwords for docker-compose's ``.env``).
+    """
+    out = Path(args.out)
+    bundle = ensure_bundle(out)
+    _write_secret(out / "compose.env", compose_env_lines(bundle))
+    print(f"torchrelay auth: credentials in {out.resolve()} (mode 0600):")
+    print(f"  {bundle.nats_conf_path.name:<22} NATS users, permissions, auth callout (servers)")
+    for role in USERS:
+        print(f"  {bundle.cred_path(role).name:<22} NATS credential of {role}")
+    print("  issuer.seed            the scheduler signs job-scoped users with it")
+    print(f"  {bundle.redis_acl_path.name:<22} Redis users (redis-server --aclfile)")
+    print("  compose.env            Redis passwords: append to docker-compose's .env")
+    return 0
+
+
 def load_issuer(path: str | Path) -> NKey:
     """The callout issuer's seed from a file (``TORCHRELAY_AUTH_ISSUER_SEED_FILE``)."""
     try:
@@ -629,6 +659,8 @@ __all__ = [
     "NKey",
     "Permissions",
     "answer_authorization",
+    "cmd_auth",
+    "compose_env_lines",
     "decode_jwt",
     "encode_jwt",
     "ensure_bundle",

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("torchrelay.client", "cmd_export", "FOCUS billing export for a period"),
     "ledger": ("torchrelay.client", "cmd_ledger", "ledger tools: verify"),
     "demo": ("torchrelay.demo", "cmd_demo", "the whole story on this machine"),
+    "auth": ("torchrelay.auth", "cmd_auth", "NATS/Redis credentials for a deployment"),
 }
 
 
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     ledger.add_argument("--contract", default=None)
 
     sub.add_parser("demo", help=COMMANDS["demo"][2])
+
+    auth = sub.add_parser("auth", help=COMMANDS["auth"][2])
+    auth.add_argument("action", choices=["init"])
+    auth.add_argument("--out", required=True, help="directory for the generated files (0700)")
     return parser
 
 

@@ -51,6 +51,10 @@ class CommonSettings(BaseSettings):
         validation_alias=AliasChoices("REDIS_URL", "TORCHRELAY_REDIS_URL"),
     )
     nats_credentials: Path | None = None
+    # TLS to NATS (a tls:// URL, or a server that requires it): CA bundle, client cert/key.
+    nats_tls_ca: Path | None = None
+    nats_tls_cert: Path | None = None
+    nats_tls_key: Path | None = None
     cluster: str = Field(default="local", pattern=r"^[A-Za-z0-9_\-]+$")
     home: Path = Path(".torchrelay")
     environment: Literal["development", "production", "test"] = "development"
@@ -80,6 +84,8 @@ class ServiceSettings(CommonSettings):
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=0, ge=0, le=65535)
     redis_password_required: bool = False
+    # The scheduler's auth-callout issuer seed (job-scoped NATS users); see torchrelay.auth.
+    auth_issuer_seed_file: Path | None = None
 
     @model_validator(mode="after")
     def _production_needs_auth(self) -> ServiceSettings:

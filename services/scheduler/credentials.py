@@ -77,7 +77,7 @@ async def setup_credentials(ctx: ServiceContext) -> None:
 
     await ctx.bus.subscribe_core(Subjects.JOB_FINISHED, on_finished, queue="scheduler-creds")
 
-    seed_file = os.environ.get(ISSUER_ENV)
+    seed_file = ctx.settings.auth_issuer_seed_file or os.environ.get(ISSUER_ENV)
     if not seed_file:
         ctx.readiness["auth_callout"] = "off"
         return

@@ -110,7 +110,11 @@ def test_otel_collector_is_an_optional_profile_the_services_can_point_at(
 
 def test_required_secrets_are_in_the_env_example_as_placeholders(compose: dict[str, Any]) -> None:
     required = set(re.findall(r"\$\{([A-Z_]+):\?", checks.COMPOSE_FILE.read_text()))
-    assert required >= {"NATS_PASSWORD", "REDIS_PASSWORD", "TORCHRELAY_OPERATOR_TOKEN"}
+    assert required >= {
+        "REDIS_PASSWORD",
+        "TORCHRELAY_OPERATOR_TOKEN",
+        *(f"REDIS_{s.upper()}_PASSWORD" for s in SERVICES),
+    }
     example = dict(
         line.split("=", 1)
         for line in checks.COMPOSE_ENV_EXAMPLE.read_text().splitlines()
@@ -134,9 +138,9 @@ def test_every_service_environment_loads_its_settings_class(
     """With a filled-in .env, each service's environment is valid for the settings class its
     process loads, in production mode; with the example's placeholders the api refuses."""
     variables = {
-        "NATS_PASSWORD": secrets.token_urlsafe(24),
         "REDIS_PASSWORD": secrets.token_urlsafe(24),
         "TORCHRELAY_OPERATOR_TOKEN": secrets.token_urlsafe(24),
+        **{f"REDIS_{s.upper()}_PASSWORD": secrets.token_urlsafe(24) for s in SERVICES},
     }
     for name, svc in checks.compose_torchrelay_services(compose).items():
         argv = checks.as_argv(svc.get("command"))
@@ -148,7 +152,19 @@ def test_every_service_environment_loads_its_settings_class(
                 m.setenv(key, value)
             settings = load_settings(checks.settings_class_for(argv))
         assert settings.environment == "production", name
-        assert variables["NATS_PASSWORD"] in settings.nats_url, name
+        # Its own NATS user: the file of the secret it mounts as nats.creds.
+        assert str(settings.nats_credentials) == "/run/secrets/nats.creds", name
+        mounted = {
+            (m["target"] if isinstance(m, dict) else m): (m["source"] if isinstance(m, dict) else m)
+            for m in svc.get("secrets") or []
+        }
+        assert "nats.creds" in mounted, name
+        role = "node_agent" if argv[3:4] == ["agent"] else argv[2].split(".")[1]
+        assert compose["secrets"][mounted["nats.creds"]]["file"] == f"./secrets/{role}.cred"
+        if argv[3:4] != ["agent"]:
+            # Its own Redis ACL user.
+            assert settings.redis_url.startswith(f"redis://{role}:"), name
+            assert variables[f"REDIS_{role.upper()}_PASSWORD"] in settings.redis_url, name
 
     example = dict(
         line.split("=", 1)

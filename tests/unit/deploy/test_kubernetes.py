@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.unit.deploy import checks
+from torchrelay.auth import ensure_bundle
 from torchrelay.contract import SERVICES
 from torchrelay.runtime import find_nats_server
 from torchrelay.settings import SettingsError, load_settings
@@ -100,16 +101,21 @@ def test_nats_server_accepts_the_configuration(
 ) -> None:
     """The real nats-server (the one `torchrelay up` runs) parses each config (-t)."""
     if config == "compose":
-        conf = checks.NATS_CONF
+        text = checks.NATS_CONF.read_text()
     else:
         text = next(
             d
             for d in k8s_docs
             if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config"
         )["data"]["nats.conf"]
-        conf = tmp_path / "nats.conf"
-        conf.write_text(text)
-    env = {"NATS_USER": "u", "NATS_PASSWORD": "p", "POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"}
+    conf = tmp_path / "nats.conf"
+    conf.write_text(text)
+    # The authorization block it includes, as `torchrelay auth init` writes it.
+    bundle = ensure_bundle(tmp_path / "generated")
+    (tmp_path / "auth").mkdir()
+    (tmp_path / "auth" / "nats-auth.conf").write_text(bundle.nats_conf_path.read_text())
+    assert 'include "auth/nats-auth.conf"' in text
+    env = {"POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
         [str(find_nats_server()), "-c", str(conf), "-t"],
         env=env,
@@ -124,9 +130,17 @@ def test_nats_server_accepts_the_configuration(
 
 def _random_secrets(k8s_docs: list[dict[str, Any]]) -> dict[str, str]:
     secret = next(d for d in k8s_docs if d["kind"] == "Secret")
-    values = {k: secrets.token_urlsafe(24) for k in secret["stringData"]}
-    values["nats.creds"] = f"{values['nats-user']}:{values['nats-password']}"
-    return values
+    return {k: secrets.token_urlsafe(24) for k in secret["stringData"]}
+
+
+def c_volumes(docs: list[dict[str, Any]], container: dict[str, Any]) -> list[dict[str, Any]]:
+    """The volumes of the pod that runs ``container``, that it mounts."""
+    for _where, wl, c in checks.k8s_torchrelay_containers(docs):
+        if c is container:
+            mounted = {m["name"] for m in c.get("volumeMounts") or []}
+            spec = wl["spec"]["template"]["spec"]
+            return [v for v in spec.get("volumes") or [] if v["name"] in mounted]
+    return []
 
 
 def test_every_container_environment_loads_its_settings_class(
@@ -147,7 +161,17 @@ def test_every_container_environment_loads_its_settings_class(
             settings = load_settings(cls)
         assert settings.environment == "production", where
         assert settings.stream_replicas == 3, where
-        assert values["redis-password"] in settings.redis_url or argv[3:4] == ["agent"], where
+        if argv[3:4] == ["agent"]:
+            continue
+        # Its own Redis ACL user, and its own NATS user (the Secret key it mounts).
+        role = argv[2].split(".")[1]
+        assert settings.redis_url.startswith(f"redis://{role}:"), where
+        assert values[f"redis-{role}-password"] in settings.redis_url, where
+        volumes = {v["name"]: v for v in c_volumes(k8s_docs, c)}
+        keys = {
+            i["key"] for v in volumes.values() for i in (v.get("secret") or {}).get("items") or []
+        }
+        assert f"nats-{role}.cred" in keys, where
 
 
 def test_the_placeholder_secrets_do_not_start_the_api(
