@@ -157,10 +157,6 @@ def _assignment(
     return None
 
 
-async def _none() -> None:
-    return None
-
-
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat()
 
@@ -229,6 +225,9 @@ class Detector:
     async def start(self) -> None:
         """Subscribe, consume and serve (called from ``setup``)."""
         ctx = self.ctx
+        # Open a few Redis connections now: a fault's concurrent reads must not wait for a
+        # new connection's handshake (and redis-py's package-metadata lookup for it).
+        await asyncio.gather(*(ctx.redis.ping() for _ in range(4)))
         await self.membership.beat()
         rid = self.membership.replica_id
         await self.bus.subscribe_core(Subjects.TELEMETRY_ALL, self._on_telemetry, queue=QUEUE_GROUP)
@@ -778,13 +777,16 @@ class Detector:
         self.recent_loss[job_id] = time.time()
         key = self.episodes.key("member", job_id, member_id, "worker_lost")
         # A process dying on a GPU that just failed is the same failure seen twice: say so,
-        # so that the scheduler can count it once. Read alongside the episode: one round trip.
-        (new, _, _), related = await asyncio.gather(
-            self.episodes.open(key, at, quiet_s=float(JOB_TTL_S)),
-            self.jobs.slot_fault(cluster, node, gpu) if gpu is not None else _none(),
+        # so that the scheduler can count it once. Read with the episode: one round trip.
+        (new, _, _), raw = await self.episodes.open_and_get(
+            key,
+            at,
+            self.jobs.slot_fault_key(cluster, node, gpu) if gpu is not None else None,
+            quiet_s=float(JOB_TTL_S),
         )
         if not new:
             return
+        related = self.jobs.parse_slot_fault(raw)
         fault_id = make_event_id("worker_lost", job_id, member_id)
         row = TAXONOMY[FaultKind.WORKER_LOST]
         if related is not None:
@@ -993,9 +995,8 @@ class Detector:
                     r.member_id,
                 )
                 return
-            peer, cluster = await asyncio.gather(
-                self.jobs.member_of_rank(r.job_id, r.peer_rank), self.jobs.cluster_of(r.job_id)
-            )
+            got, cluster = await self.jobs.ranks_and_cluster(r.job_id)
+            peer = next((a for a in got[1] if int(a["rank"]) == r.peer_rank), None) if got else None
             if peer is None:
                 return
             await self._worker_lost(

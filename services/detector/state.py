@@ -188,6 +188,21 @@ class EpisodeStore:
         )
         return bool(int(res[0])), int(res[1]), float(_s(res[2]))
 
+    async def open_and_get(
+        self, key: str, at: float, also: str | None, quiet_s: float | None = None
+    ) -> tuple[tuple[bool, int, float], bytes | None]:
+        """:meth:`open`, and GET ``also`` in the same round trip (EVAL, not EVALSHA: a
+        pipeline with a registered script first asks the server whether it has it)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.eval(_EPISODE_LUA, 1, key, repr(at), repr(self._quiet(quiet_s)), EPISODE_TTL_S, "open")
+        if also is not None:
+            pipe.get(also)
+        got = await pipe.execute()
+        res = got[0]
+        return (bool(int(res[0])), int(res[1]), float(_s(res[2]))), (
+            got[1] if also is not None else None
+        )
+
     async def close_node(self, node_index: str) -> int:
         """Close every open episode of a node (it was returned to service)."""
         keys = [_s(k) for k in await self._redis.smembers(node_index)]
@@ -310,6 +325,16 @@ class JobDirectory:
         """The newest generation's number and rank assignments, or None if unknown."""
         return _ranks(await self._r.hgetall(self._k(job_id, "gen")))
 
+    async def ranks_and_cluster(
+        self, job_id: str
+    ) -> tuple[tuple[int, list[dict[str, Any]]] | None, str]:
+        """:meth:`ranks` and :meth:`cluster_of` in one round trip."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hgetall(self._k(job_id, "gen"))
+        pipe.hget(self._k(job_id, "meta"), "cluster")
+        gen, cluster = await pipe.execute()
+        return _ranks(gen), _s(cluster) if cluster else "local"
+
     async def rank_of(self, job_id: str, member_id: str) -> int | None:
         """The rank ``member_id`` holds in the newest generation (None: not, or unknown job)."""
         got = await self.ranks(job_id)
@@ -356,19 +381,27 @@ class JobDirectory:
                     return SlotHolder(job_id, a["member_id"], int(a["rank"]), tenant)
         return SlotHolder(job_id, None, None, tenant)
 
-    async def note_slot_fault(
-        self, cluster: str, node: str, gpu: int, fault_id: str, kind: str
-    ) -> None:
-        """Remember, for 10 minutes, the GPU fault that hit the member on a slot."""
-        await self._r.set(f"{self._slot(cluster, node, gpu)}:fault", f"{fault_id} {kind}", ex=600)
+    def slot_fault_key(self, cluster: str, node: str, gpu: int) -> str:
+        """Where :meth:`note_slot_fault` keeps a slot's recent GPU fault."""
+        return f"{self._slot(cluster, node, gpu)}:fault"
 
-    async def slot_fault(self, cluster: str, node: str, gpu: int) -> tuple[str, str] | None:
-        """The GPU fault on a slot in the last 10 minutes: (fault_id, kind)."""
-        raw = await self._r.get(f"{self._slot(cluster, node, gpu)}:fault")
+    @staticmethod
+    def parse_slot_fault(raw: bytes | str | None) -> tuple[str, str] | None:
+        """(fault_id, kind) from the value at :meth:`slot_fault_key`."""
         if raw is None:
             return None
         fault_id, _, kind = _s(raw).partition(" ")
         return fault_id, kind
+
+    async def note_slot_fault(
+        self, cluster: str, node: str, gpu: int, fault_id: str, kind: str
+    ) -> None:
+        """Remember, for 10 minutes, the GPU fault that hit the member on a slot."""
+        await self._r.set(self.slot_fault_key(cluster, node, gpu), f"{fault_id} {kind}", ex=600)
+
+    async def slot_fault(self, cluster: str, node: str, gpu: int) -> tuple[str, str] | None:
+        """The GPU fault on a slot in the last 10 minutes: (fault_id, kind)."""
+        return self.parse_slot_fault(await self._r.get(self.slot_fault_key(cluster, node, gpu)))
 
     async def finish(self, job_id: str) -> None:
         """The job ended: no more faults for its members."""
