@@ -301,6 +301,9 @@ class Bus:
         holder: list[Bus] = []
 
         refused_at: list[float] = []  # authorization violations while connecting
+        # A static user's refusal is final; a job credential is checked by the scheduler's
+        # callout, which may be restarting: keep trying for the whole timeout.
+        grace = timeout if job_id else AUTH_GRACE_S
 
         async def _on_error(exc: Exception) -> None:
             text = str(exc)
@@ -336,7 +339,7 @@ class Bus:
                     now = time.monotonic()
                     if task.done():
                         break
-                    if now > deadline or (refused_at and now - refused_at[0] > AUTH_GRACE_S):
+                    if now > deadline or (refused_at and now - refused_at[0] > grace):
                         task.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await task

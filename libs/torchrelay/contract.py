@@ -600,7 +600,7 @@ class JobCredentialsRequest(Message):
 
     job_id: Token
     tenant: Token
-    ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, le=30 * 24 * 3600.0)
+    ttl_s: float = Field(default=30 * 24 * 3600.0, gt=0, le=365 * 24 * 3600.0)
 
 
 class JobCredentials(Message):

@@ -327,26 +327,48 @@ async def test_expired_revoked_and_unknown_job_credentials_are_refused_at_connec
         await Bus.connect(servers.nats.url, "anonymous", timeout=3)
 
 
-async def test_a_live_job_connection_ends_when_its_credential_expires(
+async def test_a_live_job_connection_outlives_the_callout_and_reconnects(
     servers: Servers, plane: Plane, tmp_path: Path
 ) -> None:
-    user, password, _ = await plane.store.mint("job-exp", "acme", ttl_s=2.0)
-    path = tmp_path / "exp.cred"
+    """The user JWT has no expiry of its own (nats-py would close, not reconnect, a
+    connection whose JWT expires); after the server restarts, the job reconnects through
+    the callout while its credential is live."""
+    user, password, _ = await plane.store.mint("job-long", "acme", ttl_s=3600.0)
+    path = tmp_path / "long.cred"
     path.write_text(f"{user}:{password}\n")
-    nc = await nats.connect(
-        servers.nats.url,
-        user=user,
-        password=password,
-        inbox_prefix="_INBOX_job-exp",
-        max_reconnect_attempts=2,
-        reconnect_time_wait=0.2,
-        error_cb=_ignore,
-    )
+    agent = await Bus.connect(servers.nats.url, "agent-long", credentials=str(path))
     try:
-        assert nc.is_connected
-        await _wait(lambda: not nc.is_connected, "the server to drop the expired user", 8.0)
+        await asyncio.sleep(1.0)
+        assert agent.nc.is_connected
+        servers.nats.stop()
+        servers.nats.start()
+        # The job may reconnect before the scheduler's callout is back: refused, it retries.
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                await agent.nc.flush(timeout=1)
+                break
+            except (nats.errors.Error, TimeoutError):
+                assert time.monotonic() < deadline, "the job did not reconnect"
+                assert not agent.nc.is_closed, "the job's connection was closed for good"
+                await asyncio.sleep(0.2)
+        agent.refusals.clear()
+        beat = Heartbeat(
+            event_id="hb-long",
+            source="job-long-w0",
+            job_id="job-long",
+            member_id="job-long-w0",
+            generation=0,
+            step=1,
+            node="n0",
+            gpu=0,
+            pid=1,
+        )
+        await agent.publish_core(Subjects.heartbeat("job-long"), beat)
+        await agent.nc.flush()
+        assert not agent.refusals
     finally:
-        await nc.close()
+        await agent.close()
 
 
 async def test_service_credentials_can_do_their_work_and_nothing_else(
