@@ -88,6 +88,16 @@ redis.call('HSET', KEYS[1], 'generation', ARGV[1], 'ranks', ARGV[2])
 return 1
 """
 
+# Who holds a slot: the job on it, then (same trip) whether it finished, its tenant and its
+# newest ranks. KEYS[1] slot key; ARGV[1] the job keys' prefix ("<prefix>:job:").
+_SLOT_HOLDER_LUA = """
+local job = redis.call('GET', KEYS[1])
+if not job then return false end
+local base = ARGV[1] .. job .. ':'
+return {job, redis.call('EXISTS', base .. 'finished'),
+        redis.call('HGET', base .. 'meta', 'tenant'), redis.call('HGET', base .. 'gen', 'ranks')}
+"""
+
 EPISODE_TTL_S = 30 * 24 * 3600
 JOB_TTL_S = 7 * 24 * 3600
 
@@ -248,6 +258,7 @@ class JobDirectory:
         self._r = redis
         self._p = prefix
         self._gen_script = redis.register_script(_GENERATION_LUA)
+        self._holder_script = redis.register_script(_SLOT_HOLDER_LUA)
 
     def _k(self, job_id: str, what: str) -> str:
         return f"{self._p}:job:{job_id}:{what}"
@@ -362,21 +373,19 @@ class JobDirectory:
 
     async def slot_holder(self, cluster: str, node: str, gpu: int) -> SlotHolder | None:
         """The job member holding (node, gpu) in its newest generation, if any."""
-        job = await self._r.get(self._slot(cluster, node, gpu))
-        if job is None:
+        # One round trip (on the path of every GPU fault): a script follows the slot to its job.
+        got = await self._holder_script(
+            keys=[self._slot(cluster, node, gpu)], args=[f"{self._p}:job:"]
+        )
+        if not got:
+            return None
+        job, finished, tenant_raw, ranks = got
+        if int(finished):
             return None
         job_id = _s(job)
-        pipe = self._r.pipeline(transaction=False)  # one round trip for the rest
-        pipe.exists(self._k(job_id, "finished"))
-        pipe.hget(self._k(job_id, "meta"), "tenant")
-        pipe.hgetall(self._k(job_id, "gen"))
-        finished, tenant_raw, gen = await pipe.execute()
-        if finished:
-            return None
         tenant = _s(tenant_raw) if tenant_raw else None
-        if gen:
-            data = {_s(k): _s(v) for k, v in gen.items()}
-            for a in json.loads(data["ranks"]):
+        if ranks:
+            for a in json.loads(_s(ranks)):
                 if a["node"] == node and int(a["gpu"]) == gpu:
                     return SlotHolder(job_id, a["member_id"], int(a["rank"]), tenant)
         return SlotHolder(job_id, None, None, tenant)
