@@ -575,7 +575,7 @@ def _read_or_new(path: Path, make: Callable[[], str]) -> str:
     if path.exists():
         return path.read_text().strip()
     value = make()
-    _write_secret(path, value + "\n")
+    _write_secret(path, value)  # no newline: the value goes into URLs as it is
     return value
 
 
@@ -605,7 +605,7 @@ def ensure_bundle(directory: Path) -> AuthBundle:
         _write_secret(bundle.cred_path(role), f"{role}:{passwords[role]}\n")
     _write_secret(bundle.nats_conf_path, bundle.nats_authorization())
     _write_secret(bundle.redis_acl_path, bundle.redis_acl())
-    _write_secret(directory / "redis.password", redis_password + "\n")
+    _write_secret(directory / "redis.password", redis_password)
     return bundle
 
 
