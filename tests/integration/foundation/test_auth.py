@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import stat
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ import redis.exceptions
 
 from services.scheduler.credentials import setup_credentials
 from torchrelay.auth import AuthBundle, JobCredentialStore, ensure_bundle, generation_direct_get
-from torchrelay.bus import Bus, BusError, PermissionRefused
+from torchrelay.bus import Bus, BusError, PermissionRefused, TlsFiles
 from torchrelay.contract import (
     AgentReport,
     FaultAction,
@@ -466,3 +468,34 @@ async def _wait(predicate: Any, what: str, timeout: float = 5.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+async def test_tls_settings_reach_the_nats_connection(tmp_path: Path) -> None:
+    """TORCHRELAY_NATS_TLS_CA: the bus verifies a TLS-only server against the CA given;
+    without it the handshake fails (a self-signed certificate)."""
+    key, cert = tmp_path / "server.key", tmp_path / "server.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+            "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    tls = f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n}}'
+    server = nats_server(tmp_path, extra_config=tls)
+    server.start()
+    try:
+        url = server.url.replace("nats://", "tls://")
+        bus = await Bus.connect(url, "tls-test", tls=TlsFiles(ca=str(cert)), timeout=5)
+        try:
+            await bus.nc.flush()
+            assert bus.nc.is_connected
+        finally:
+            await bus.close()
+        with pytest.raises(BusError):
+            await Bus.connect(url, "tls-untrusted", tls=TlsFiles(), timeout=2)
+    finally:
+        server.stop()
