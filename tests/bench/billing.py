@@ -4,19 +4,20 @@ Runs against a redis-server of its own, started with the production durability
 (AOF ``appendfsync always``), in a temporary directory:
 
 1. the ledger is filled to ``TORCHRELAY_BENCH_BILLING_ENTRIES`` entries (default 1,000,000)
-   spread over ``TORCHRELAY_BENCH_BILLING_CONTRACTS`` contracts (default 1,000: a fleet of
-   tenants, one term each). Every entry is a real incident entry in the real layout, written
-   by the ledger's own append script (``APPEND_LUA``, by its SHA) with the arguments
-   ``Ledger.record`` passes, so the script checks the head, writes the entry, the index and
-   the aggregates. What the fill does differently from ``Ledger.record`` is only the client
-   side: the incident JSON and the sealed entry are built without a pydantic round trip per
-   entry (checked equal to the pydantic form and to ``chain.seal`` on samples), and the
-   EVALSHA commands go over ``TORCHRELAY_BENCH_BILLING_CONNECTIONS`` plain RESP connections
-   (default 8), ``TORCHRELAY_BENCH_BILLING_BATCH`` (default 250) per round trip, one chain per
-   connection at a time. The fill stops at ``TORCHRELAY_BENCH_BILLING_FILL_S`` seconds
-   (default 420) if it has not reached the target; the result says how many entries there
-   were when measured (``entries_measured_at``) and the hash chains and aggregates of sampled
-   contracts are verified afterwards;
+   spread over ``TORCHRELAY_BENCH_BILLING_CONTRACTS`` contracts (default 1,000: 250 tenants
+   with a contract for each quarter of 2025). Every entry is a real incident entry in the
+   real layout, written by the ledger's own append script (``APPEND_LUA``, by its SHA) with
+   the arguments ``Ledger.record`` passes, so the script checks the head, writes the entry,
+   the index and the aggregates. What the fill does differently from ``Ledger.record`` is
+   only the client side: the incident JSON and the sealed entry are built without a
+   pydantic round trip per entry (checked equal to the pydantic form and to ``chain.seal``
+   on samples), and the EVALSHA commands go over ``TORCHRELAY_BENCH_BILLING_CONNECTIONS``
+   plain RESP connections (default 8), ``TORCHRELAY_BENCH_BILLING_BATCH`` (default 250) per
+   round trip, one chain per connection at a time. The fill stops at
+   ``TORCHRELAY_BENCH_BILLING_FILL_S`` seconds (default 420) if it has not reached the
+   target; the result says how many entries there were when measured
+   (``entries_measured_at``), and the hash chains and aggregates of sampled contracts are
+   verified afterwards;
 2. on the filled ledger, appends/s through ``Ledger.record`` (the real path: contract
    lookup, entry hash, the Lua append script, one fsync'd round trip each), one writer, then
    32 concurrent writers on 32 contracts, and duplicate answers/s;
@@ -49,6 +50,8 @@ from torchrelay.runtime import redis_server
 
 TERM_START = datetime(2025, 1, 1, tzinfo=UTC)
 TERM_END = datetime(2026, 1, 1, tzinfo=UTC)
+# The fill's tenants have quarterly terms: contract k is quarter k % 4 of tenant k // 4.
+QUARTERS = (*(datetime(2025, m, 1, tzinfo=UTC) for m in (1, 4, 7, 10)), TERM_END)
 RESOLUTIONS = (
     Resolution.MIGRATED_LIVE,
     Resolution.MIGRATED_LIVE,
@@ -57,10 +60,20 @@ RESOLUTIONS = (
 )
 
 
-def incident(n: int, tenant: str) -> Incident:
-    """The ``n``-th incident of ``tenant`` (one second apart from the term's start)."""
+def _offset_s(quarter: int | None) -> int:
+    return 0 if quarter is None else int((QUARTERS[quarter] - TERM_START).total_seconds())
+
+
+def _incident_id(n: int, tenant: str, quarter: int | None) -> str:
+    return f"{tenant}-{n}" if quarter is None else f"{tenant}-q{quarter + 1}-{n}"
+
+
+def incident(n: int, tenant: str, quarter: int | None = None) -> Incident:
+    """The ``n``-th incident of ``tenant`` in 2025 or in ``quarter`` (0-3) of 2025, one
+    second apart from the term's start."""
+    start = TERM_START + timedelta(seconds=_offset_s(quarter))
     return Incident(
-        incident_id=f"{tenant}-{n}",
+        incident_id=_incident_id(n, tenant, quarter),
         tenant=tenant,
         job_id=f"job-{n % 97}",
         rank=n % 8,
@@ -68,8 +81,8 @@ def incident(n: int, tenant: str) -> Incident:
         gpu=n % 8,
         fault_kind=FaultKind.GPU_LOST,
         severity=Severity.FATAL,
-        detected_at=TERM_START + timedelta(seconds=n),
-        resolved_at=TERM_START + timedelta(seconds=n + 1),
+        detected_at=start + timedelta(seconds=n),
+        resolved_at=start + timedelta(seconds=n + 1),
         resolution=RESOLUTIONS[n % 4],
         stall_ms=57.0,
         lost_steps=0,
@@ -84,10 +97,11 @@ def _instant(seconds: int) -> str:
     return (TERM_START + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def incident_json(n: int, tenant: str) -> dict[str, Any]:
-    """``incident(n, tenant).model_dump(mode="json")`` without the pydantic round trip."""
+def incident_json(n: int, tenant: str, quarter: int | None = None) -> dict[str, Any]:
+    """``incident(n, tenant, quarter).model_dump(mode="json")`` without pydantic."""
+    offset = _offset_s(quarter)
     return {
-        "incident_id": f"{tenant}-{n}",
+        "incident_id": _incident_id(n, tenant, quarter),
         "tenant": tenant,
         "job_id": f"job-{n % 97}",
         "rank": n % 8,
@@ -95,8 +109,8 @@ def incident_json(n: int, tenant: str) -> dict[str, Any]:
         "gpu": n % 8,
         "fault_kind": "gpu_lost",
         "severity": "fatal",
-        "detected_at": _instant(n),
-        "resolved_at": _instant(n + 1),
+        "detected_at": _instant(offset + n),
+        "resolved_at": _instant(offset + n + 1),
         "resolution": RESOLUTIONS[n % 4].value,
         "stall_ms": 57.0,
         "lost_steps": 0,
@@ -111,13 +125,14 @@ def incident_json(n: int, tenant: str) -> dict[str, Any]:
 CLASS_OF = {r.value: classify(incident(i, "t")).value for i, r in enumerate(RESOLUTIONS)}
 
 
-async def contract(ledger: Ledger, tenant: str) -> str:
+async def contract(ledger: Ledger, tenant: str, quarter: int | None = None) -> str:
+    """A contract of ``tenant`` for 2025, or for ``quarter`` (0-3) of 2025."""
     c, _ = await ledger.create_contract(
         ContractRequest.model_validate(
             {
                 "tenant": tenant,
-                "term_start": TERM_START,
-                "term_end": TERM_END,
+                "term_start": TERM_START if quarter is None else QUARTERS[quarter],
+                "term_end": TERM_END if quarter is None else QUARTERS[quarter + 1],
                 "renewal_fee_minor": 1_000_000,
                 "currency": "USD",
             }
@@ -142,10 +157,13 @@ class ChainFiller:
     pydantic incident.
     """
 
-    def __init__(self, ledger: Ledger, chain: str, tenant: str, recorded_at: datetime) -> None:
+    def __init__(
+        self, ledger: Ledger, chain: str, tenant: str, quarter: int, recorded_at: datetime
+    ) -> None:
         self.ledger = ledger
         self.chain = chain
         self.tenant = tenant
+        self.quarter = quarter
         self.recorded_at = recorded_at.isoformat()
         self.now_us = str(epoch_us(recorded_at))
         self.seq = 0
@@ -154,7 +172,7 @@ class ChainFiller:
 
     def entry(self, n: int) -> tuple[list[str], str, str]:
         """The script's keys and args for incident ``n``, the entry text and its hash."""
-        content = incident_json(n, self.tenant)
+        content = incident_json(n, self.tenant, self.quarter)
         content_text = canonical_json(content)
         content_digest = hashlib.sha256(content_text.encode()).hexdigest()
         cls = CLASS_OF[content["resolution"]]
@@ -209,9 +227,9 @@ class ChainFiller:
 
     def check(self, n: int) -> None:
         """Raise unless incident ``n`` built here equals ``Ledger.record``'s form of it."""
-        real = incident(n, self.tenant)
+        real = incident(n, self.tenant, self.quarter)
         content = real.model_dump(mode="json")
-        if incident_json(n, self.tenant) != content:
+        if incident_json(n, self.tenant, self.quarter) != content:
             raise AssertionError(f"incident_json({n}) differs from the pydantic incident")
         _, args, _ = self.entry(n)
         expected = seal(
@@ -335,7 +353,13 @@ async def measure(url: str, host: str, port: int) -> dict[str, Any]:
         per_chain = max(1, target // n_contracts)
         t0 = time.perf_counter()
         fillers = [
-            ChainFiller(ledger, await contract(ledger, f"fill{k}"), f"fill{k}", datetime.now(UTC))
+            ChainFiller(
+                ledger,
+                await contract(ledger, f"fill{k // 4}", k % 4),
+                f"fill{k // 4}",
+                k % 4,
+                datetime.now(UTC),
+            )
             for k in range(n_contracts)
         ]
         appended = await fill(
@@ -347,7 +371,8 @@ async def measure(url: str, host: str, port: int) -> dict[str, Any]:
         out["fill_s"] = fill_s
         out["fill_method"] = (
             f"the ledger's append script by EVALSHA, {connections} connections, {batch} "
-            f"per round trip, {n_contracts} contracts"
+            f"per round trip, {n_contracts} contracts (quarterly terms of {n_contracts // 4} "
+            "tenants)"
         )
         # Spot-check the filled ledger as `ledger verify` would: hash chain, head, aggregates.
         rng = random.Random(7)
