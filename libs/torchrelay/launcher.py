@@ -248,11 +248,20 @@ class Launcher:
         o = self.opts
         if not o.credentials:
             return
-        got = await self.bus.request(
-            Subjects.rpc("scheduler", "job_credentials"),
-            JobCredentialsRequest(job_id=o.job_id, tenant=o.tenant),
-            timeout=10.0,
-        )
+        # The scheduler may be restarting: keep asking for a while.
+        deadline = time.monotonic() + 40.0
+        while True:
+            try:
+                got = await self.bus.request(
+                    Subjects.rpc("scheduler", "job_credentials"),
+                    JobCredentialsRequest(job_id=o.job_id, tenant=o.tenant),
+                    timeout=10.0,
+                )
+                break
+            except NoResponder:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
         creds = JobCredentials.model_validate(got)
         path = o.run_dir / "nats-job.cred"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ from torchrelay.auth import (
     role_permissions,
 )
 from torchrelay.contract import Subjects
+from torchrelay.launcher import resolve_credentials
 
 
 def test_nkey_seed_and_public_key_have_the_nats_prefixes() -> None:
@@ -112,3 +114,24 @@ def test_callout_answer_grants_the_job_or_says_why_not() -> None:
         )
         assert refused["nats"]["error"]
         assert "jwt" not in refused["nats"]
+
+
+def test_credentials_are_found_in_the_environment_or_stack_json(tmp_path: Path) -> None:
+    (tmp_path / "stack.json").write_text(
+        json.dumps(
+            {
+                "nats_url": "nats://127.0.0.1:4222",
+                "credentials": {"launcher": "/s/launcher.cred", "operator": "/s/operator.cred"},
+            }
+        )
+    )
+    home = {"TORCHRELAY_HOME": str(tmp_path)}
+    assert resolve_credentials("launcher", home) == "/s/launcher.cred"
+    assert resolve_credentials("operator", home) == "/s/operator.cred"
+    assert resolve_credentials("admin", home) is None
+    given = {**home, "TORCHRELAY_NATS_CREDENTIALS": "/x.cred"}
+    assert resolve_credentials("launcher", given) == "/x.cred"
+    # Another server than the stack's: its credentials do not apply.
+    other = {**home, "NATS_URL": "nats://elsewhere:4222"}
+    assert resolve_credentials("launcher", other) is None
+    assert resolve_credentials("launcher", {"TORCHRELAY_HOME": str(tmp_path / "none")}) is None
