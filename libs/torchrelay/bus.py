@@ -544,10 +544,15 @@ class Bus:
     async def _consume_loop(
         self, spec: ConsumerSpec, psub: Any, handler: EventHandler, deduper: Deduper, batch: int
     ) -> None:
+        # One message per pull while idle: nats-py's fetch(n > 1) keeps the first message of a
+        # waiting pull until n arrived or the pull expired (up to 1 s: measured p90 318 ms,
+        # max 771 ms from publish to handler); a batch only while a backlog is known to wait.
+        want = 1
         while not self._stopping.is_set():
             try:
-                msgs = await psub.fetch(batch, timeout=1.0)
+                msgs = await psub.fetch(want, timeout=1.0)
             except (nats.errors.TimeoutError, TimeoutError):
+                want = 1
                 continue
             except asyncio.CancelledError:
                 raise
@@ -566,6 +571,11 @@ class Bus:
                     log.warning("message of %s not handled, redelivered: %r", spec.durable, exc)
                     with contextlib.suppress(Exception):
                         await msg.nak(delay=1.0)
+            try:  # what the consumer still held after the last message was delivered
+                pending = int(msgs[-1].metadata.num_pending) if msgs else 0
+            except Exception:
+                pending = 0
+            want = batch if pending >= batch else 1
 
     async def _handle(
         self, spec: ConsumerSpec, msg: Msg, handler: EventHandler, deduper: Deduper
