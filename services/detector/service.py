@@ -956,33 +956,13 @@ class Detector:
             # that silence is not a lost worker.
             await self.jobs.mark_exited(r.job_id, r.member_id)
         elif r.kind == ReportKind.WORKER_EXIT:
-            known = await self.jobs.mark_exited_and_read(r.job_id, r.member_id)
-            code = r.exit_code
-            # The launcher prefixes its verdict: a process that crashed on its way out after
-            # job.finish() ("finished: killed by SIGABRT") lost nothing.
-            outcome = (r.error or "").split(":", 1)[0]
-            if code in (0, 75) or outcome in ("finished", "fenced"):
-                return  # finished, or fenced: nothing was lost
-            if code == 1 and r.error:
-                await self.jobs.mark_app_error(r.job_id)
-                await self._application_error(r, at)
-                return
-            if known.app_error or known.finished:
-                return  # killed by the launcher after the job failed or finished
-            slot = _assignment(known.ranks, r.member_id, r.rank, r.node, r.gpu)
-            if slot is None:
-                return  # a spare, or a member that no longer holds a rank
-            rank, node, gpu = slot
-            await self._worker_lost(
-                r.job_id,
-                r.member_id,
-                rank,
-                known.cluster,
-                node,
-                gpu,
-                at,
-                {"signal": "worker_exit", "exit_code": code, "error": (r.error or "")[:500]},
-            )
+            try:
+                await self._worker_exit(r, at)
+            finally:
+                # Recorded once the verdict is out: with ``appendfsync always`` a write waits
+                # for Redis's fsync, and the fault must not. Heartbeat silence of the member
+                # meanwhile finds its worker_lost episode already open.
+                await self.jobs.mark_exited(r.job_id, r.member_id)
         elif r.kind == ReportKind.APPLICATION_ERROR:
             await self.jobs.mark_app_error(r.job_id)
             await self._application_error(r, at)
@@ -1014,6 +994,35 @@ class Detector:
                     "error": (r.error or "")[:500],
                 },
             )
+
+    async def _worker_exit(self, r: AgentReport, at: float) -> None:
+        code = r.exit_code
+        # The launcher prefixes its verdict: a process that crashed on its way out after
+        # job.finish() ("finished: killed by SIGABRT") lost nothing.
+        outcome = (r.error or "").split(":", 1)[0]
+        if code in (0, 75) or outcome in ("finished", "fenced"):
+            return  # finished, or fenced: nothing was lost
+        if code == 1 and r.error:
+            await self.jobs.mark_app_error(r.job_id)
+            await self._application_error(r, at)
+            return
+        known = await self.jobs.exit_context(r.job_id)
+        if known.app_error or known.finished:
+            return  # killed by the launcher after the job failed or finished
+        slot = _assignment(known.ranks, r.member_id, r.rank, r.node, r.gpu)
+        if slot is None:
+            return  # a spare, or a member that no longer holds a rank
+        rank, node, gpu = slot
+        await self._worker_lost(
+            r.job_id,
+            r.member_id,
+            rank,
+            known.cluster,
+            node,
+            gpu,
+            at,
+            {"signal": "worker_exit", "exit_code": code, "error": (r.error or "")[:500]},
+        )
 
     async def _application_error(self, r: AgentReport, at: float) -> None:
         key = self.episodes.key("member", r.job_id, r.member_id, "application_error")

@@ -422,20 +422,21 @@ class JobDirectory:
 
     async def mark_exited(self, job_id: str, member_id: str) -> None:
         """A member's process exited (its heartbeats stopping is then no news)."""
-        await self._r.sadd(self._k(job_id, "exited"), member_id)
-        await self._r.expire(self._k(job_id, "exited"), JOB_TTL_S)
-
-    async def mark_exited_and_read(self, job_id: str, member_id: str) -> ExitContext:
-        """:meth:`mark_exited`, and what judging the exit needs, in one round trip (this is
-        on the path from a killed rank to its ``worker_lost``: one trip instead of six)."""
         pipe = self._r.pipeline(transaction=False)
         pipe.sadd(self._k(job_id, "exited"), member_id)
         pipe.expire(self._k(job_id, "exited"), JOB_TTL_S)
+        await pipe.execute()
+
+    async def exit_context(self, job_id: str) -> ExitContext:
+        """What judging a member's exit needs, in one round trip of reads only (this is on
+        the path from a killed rank to its ``worker_lost``; with ``appendfsync always`` a
+        write would also wait for Redis's fsync)."""
+        pipe = self._r.pipeline(transaction=False)
         pipe.exists(self._k(job_id, "app_error"))
         pipe.exists(self._k(job_id, "finished"))
         pipe.hgetall(self._k(job_id, "gen"))
         pipe.hget(self._k(job_id, "meta"), "cluster")
-        _, _, app_error, finished, gen, cluster = await pipe.execute()
+        app_error, finished, gen, cluster = await pipe.execute()
         return ExitContext(
             app_error=bool(app_error),
             finished=bool(finished),
