@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -77,13 +77,20 @@ def resolve_nats_url(environ: dict[str, str] | None = None) -> str:
     url = env.get("NATS_URL")
     if url:
         return url
-    stack = Path(env.get("TORCHRELAY_HOME", ".torchrelay")) / "stack.json"
+    stack = _stack_info(env)
+    if stack is None or not stack.get("nats_url"):
+        raise LauncherError("no torchrelay stack: run `torchrelay up --detach` or set NATS_URL")
+    return str(stack["nats_url"])
+
+
+def _stack_info(env: Mapping[str, str]) -> dict[str, Any] | None:
+    """``stack.json`` of ``<TORCHRELAY_HOME or ./.torchrelay>``, or None if absent/unreadable."""
+    path = Path(env.get("TORCHRELAY_HOME", ".torchrelay")) / "stack.json"
     try:
-        return str(json.loads(stack.read_text())["nats_url"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise LauncherError(
-            "no torchrelay stack: run `torchrelay up --detach` or set NATS_URL"
-        ) from exc
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def resolve_credentials(role: str, environ: dict[str, str] | None = None) -> str | None:
@@ -94,10 +101,8 @@ def resolve_credentials(role: str, environ: dict[str, str] | None = None) -> str
     given = env.get("TORCHRELAY_NATS_CREDENTIALS")
     if given:
         return given
-    stack = Path(env.get("TORCHRELAY_HOME", ".torchrelay")) / "stack.json"
-    try:
-        data = json.loads(stack.read_text())
-    except (OSError, ValueError):
+    data = _stack_info(env)
+    if data is None:
         return None
     creds = data.get("credentials") or {}
     path = creds.get(role) if isinstance(creds, dict) else None

@@ -193,7 +193,7 @@ class ApiState:
         self.settings: ApiSettings | None = None
         self.gateway: Gateway | None = None
         self.tokens: TokenStore | None = None
-        self.lists = ResponseCache(0.0)
+        self.lists: ResponseCache[bytes] = ResponseCache(0.0)
         self.bus: Bus | None = None
         self.redis: Any = None
         self.metrics = ServiceMetrics("api")
@@ -228,7 +228,7 @@ async def gateway(request: Request) -> Gateway:
     return state_of(request).require()[0]
 
 
-async def list_cache(request: Request) -> ResponseCache:
+async def list_cache(request: Request) -> ResponseCache[bytes]:
     return state_of(request).lists
 
 
@@ -275,7 +275,7 @@ async def operator(who: Annotated[Principal, Depends(principal)]) -> Principal:
 Who = Annotated[Principal, Depends(principal)]
 Operator = Annotated[Principal, Depends(operator)]
 Gw = Annotated[Gateway, Depends(gateway)]
-Lists = Annotated[ResponseCache, Depends(list_cache)]
+Lists = Annotated[ResponseCache[bytes], Depends(list_cache)]
 
 
 # --------------------------------------------------------------------------- routes
@@ -1101,7 +1101,7 @@ def create_app(
                 )
             assert st.bus is not None
             st.gateway = Gateway(st.bus, cfg.rpc_timeout_s)
-            st.lists = ResponseCache(cfg.list_cache_s)
+            st.lists = ResponseCache[bytes](cfg.list_cache_s)
             yield
         finally:
             st.gateway = None

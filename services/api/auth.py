@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from services.api.cache import ResponseCache
 from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX
 
 ScopeName = Literal["operator", "tenant"]
@@ -100,8 +101,10 @@ class TokenStore:
         self._pepper = pepper
         self._prefix = prefix
         self._cache_s = cache_s
-        self._cache: dict[str, tuple[Principal, float]] = {}
-        self._lookups: dict[str, asyncio.Future[Principal | None]] = {}
+        # Known principals only: an unknown token is looked up again (it may be issued now).
+        self._cache: ResponseCache[Principal | None] = ResponseCache(
+            cache_s, max_entries=10_000, keep=lambda p: p is not None
+        )
 
     @classmethod
     async def open(
@@ -145,37 +148,15 @@ class TokenStore:
         None (unknown, or not remembered: ask :meth:`authenticate`)."""
         if not token or len(token) > 512 or self._cache_s <= 0:
             return None
-        hit = self._cache.get(token_digest(self._pepper, token))
-        return hit[0] if hit is not None and hit[1] > time.monotonic() else None
+        return self._cache.kept(token_digest(self._pepper, token))
 
     async def authenticate(self, token: str) -> Principal | None:
         """The principal of ``token``, or None when it is unknown."""
         if not token or len(token) > 512:
             return None
         digest = token_digest(self._pepper, token)
-        now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None and hit[1] > now:
-            return hit[0]
         # Concurrent first requests with one token share one Redis lookup.
-        lookup = self._lookups.get(digest)
-        if lookup is None:
-            lookup = asyncio.ensure_future(self._lookup(digest))
-            self._lookups[digest] = lookup
-
-            def _done(task: asyncio.Future[Principal | None], digest: str = digest) -> None:
-                if self._lookups.get(digest) is task:
-                    del self._lookups[digest]
-                if not task.cancelled():
-                    task.exception()
-
-            lookup.add_done_callback(_done)
-        principal = await asyncio.shield(lookup)
-        if principal is not None and self._cache_s > 0:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[digest] = (principal, time.monotonic() + self._cache_s)
-        return principal
+        return await self._cache.get(digest, lambda: self._lookup(digest))
 
     async def _lookup(self, digest: str) -> Principal | None:
         try:
