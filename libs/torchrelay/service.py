@@ -120,7 +120,8 @@ class HealthServer:
             return "200 OK", "application/json", b'{"status":"ok"}'
         if path == "/readyz":
             ok, detail = self._ready()
-            body = json.dumps({"ready": ok, **detail}).encode()
+            # The pid lets a supervisor tell its own process from another on a reused port.
+            body = json.dumps({"ready": ok, "pid": os.getpid(), **detail}).encode()
             return ("200 OK" if ok else "503 Service Unavailable"), "application/json", body
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self._metrics.registry)

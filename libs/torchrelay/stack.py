@@ -50,11 +50,13 @@ def read_stack(state_dir: Path) -> dict[str, Any] | None:
     return data
 
 
-def _ready(port: int) -> bool:
+def _ready(port: int, pid: int | None) -> bool:
+    """``/readyz`` on ``port`` answers 200 from the process ``pid`` (not another on the port)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1.0) as resp:
-            return int(resp.status) == 200
-    except OSError:
+            body = json.loads(resp.read() or b"{}")
+            return int(resp.status) == 200 and isinstance(body, dict) and body.get("pid") == pid
+    except (OSError, ValueError):
         return False
 
 
@@ -72,6 +74,7 @@ class ManagedService:
     next_start: float = 0.0
     started_at: float = 0.0
     ready: bool = False
+    died_unready: bool = False  # its last run ended before it was ever ready
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,13 +215,19 @@ class Supervisor:
                         svc.restarts + 1,
                     )
                     svc.backoff_s = min(svc.backoff_s * 2, MAX_BACKOFF_S)
+                    svc.died_unready = not svc.ready
                     svc.ready = False
                 if now >= svc.next_start:
                     svc.next_start = 0.0
                     svc.restarts += 1
+                    if svc.died_unready:
+                        # It died before it was ever ready on this port: the port may have
+                        # been taken since free_port() chose it (EADDRINUSE); take another.
+                        svc.port = free_port()
+                        svc.env["TORCHRELAY_HTTP_PORT"] = str(svc.port)
                     svc.start()
                     changed = True
-            elif not svc.ready and _ready(svc.port):
+            elif not svc.ready and _ready(svc.port, svc.proc.pid if svc.proc else None):
                 svc.ready = True
                 changed = True
         if changed and all(s.ready for s in self.services.values()):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -305,6 +306,7 @@ def _add_routes(app: FastAPI) -> None:
         body = {
             "ready": ready,
             "service": "api",
+            "pid": os.getpid(),  # the supervisor tells its own process from another on the port
             "nats": "connected" if nats_ok else "down",
             "redis": "ok" if redis_ok else "down",
         }
