@@ -60,6 +60,22 @@ log = logging.getLogger("torchrelay.bus")
 MAX_DLQ_PAYLOAD = 64 * 1024
 
 
+async def _cancel_until_done(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait for it, cancelling again while it lives.
+
+    nats-py's connect loop retries forever and catches ``Exception`` around each attempt; on
+    Python 3.11 ``asyncio.wait_for`` can turn a cancellation that lands as a refused connect
+    completes into the connect's own ``OSError``, which that loop swallows, so one cancel()
+    could leave it retrying for ever (a service with an unreachable NATS_URL hung instead of
+    exiting).
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        task.result()
+
+
 class BusError(RuntimeError):
     """A bus operation failed; the message says which and what to do."""
 
@@ -340,9 +356,7 @@ class Bus:
                     if task.done():
                         break
                     if now > deadline or (refused_at and now - refused_at[0] > grace):
-                        task.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await task
+                        await _cancel_until_done(task)
                         break
                 if task.cancelled() or not task.done():
                     if refused_at:

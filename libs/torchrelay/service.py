@@ -128,12 +128,27 @@ class HealthServer:
         return "404 Not Found", "application/json", b'{"error":"not found"}'
 
 
-async def connect_redis(url: str, timeout: float = 10.0) -> aioredis.Redis:
-    """Connect to Redis and PING it, retrying until ``timeout``; errors name ``REDIS_URL``."""
+#: Connections one service may hold to Redis. Requests beyond it wait for a free one
+#: (redis-py's default pool raises "Too many connections" at 100 instead, which turned a
+#: burst of RPCs, each handler plus the background work it spawns, into internal errors).
+REDIS_MAX_CONNECTIONS = 256
+
+
+async def connect_redis(
+    url: str, timeout: float = 10.0, max_connections: int = REDIS_MAX_CONNECTIONS
+) -> aioredis.Redis:
+    """Connect to Redis and PING it, retrying until ``timeout``; errors name ``REDIS_URL``.
+
+    The client's pool blocks (up to ``timeout``) for a free connection once
+    ``max_connections`` are busy, so a burst queues instead of failing.
+    """
     try:
-        client = aioredis.from_url(url)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout
+        )
     except ValueError as exc:
         raise SettingsError(f"REDIS_URL {url!r} is malformed: {exc}") from exc
+    client = aioredis.Redis.from_pool(pool)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

@@ -7,11 +7,9 @@ so neither the secret nor a timing side channel on it is exposed.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import secrets
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -55,40 +53,16 @@ class TokenStoreUnavailable(RuntimeError):
     """Redis, which holds the token digests, did not answer."""
 
 
-async def connect_token_redis(url: str, timeout_s: float = 10.0, max_connections: int = 64) -> Any:
-    """A Redis client whose pool waits for a free connection instead of failing.
-
-    A burst of first requests (every token a cache miss) must queue for a connection, not
-    fail: redis-py's default pool raises once 100 connections are busy.
+async def connect_token_redis(url: str, timeout_s: float = 10.0) -> Any:
+    """The API's Redis client (token digests): ``connect_redis``, which queues a burst.
 
     Raises:
         BusError: Redis did not answer within ``timeout_s`` (the message names REDIS_URL).
+        SettingsError: the URL is malformed (the message names REDIS_URL).
     """
-    import redis.asyncio as aioredis
+    from torchrelay.service import connect_redis
 
-    from torchrelay.bus import BusError
-
-    try:
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s
-        )
-    except ValueError as exc:
-        raise BusError(f"REDIS_URL {url!r} is malformed: {exc}") from exc
-    client = aioredis.Redis(connection_pool=pool)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await client.ping()
-            return client
-        except Exception as exc:
-            if "auth" in str(exc).lower() or time.monotonic() > deadline:
-                await client.aclose()
-                raise BusError(
-                    f"REDIS_URL {url} is unreachable ({exc}); start it with "
-                    "'torchrelay up' or unset REDIS_URL to use the embedded "
-                    "server"
-                ) from exc
-            await asyncio.sleep(0.2)
+    return await connect_redis(url, timeout_s)
 
 
 class TokenStore:
