@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -98,3 +99,76 @@ def test_production_refuses_a_development_operator_token(
     assert result.returncode == 2
     assert "TORCHRELAY_OPERATOR_TOKEN" in result.stderr
     assert "development token" in result.stderr
+
+
+# Blocks a module for the child process, as if it were not installed.
+_WITHOUT = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"
+_MAIN = "from services.api.__main__ import main\nmain()\n"
+
+
+def _ready_line(stderr: str) -> dict[str, object]:
+    for line in stderr.splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if record.get("msg") == "ready":
+                return dict(record)
+    raise AssertionError(f"no ready line in the log:\n{stderr[-2000:]}")
+
+
+def _serve_and_stop(env: dict[str, str], without: tuple[str, ...] = ()) -> dict[str, object]:
+    """Run the API process (with ``without`` modules missing), check it answers, stop it with
+    SIGTERM; return its ready log record."""
+    code = (_WITHOUT.format(names=without) if without else "") + _MAIN
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        url = json.loads(line)["api_url"]
+        with httpx.Client(base_url=url, timeout=5) as http:
+            assert http.get("/healthz").json() == {"status": "ok"}
+            assert http.get("/v1/incidents").status_code == 401
+            r = http.get("/v1/nodes", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 503  # no detector behind this API: named, not a hang
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=20)
+        assert proc.returncode == 0, stderr
+        return _ready_line(stderr)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_serves_on_uvloop_and_httptools_when_installed(
+    nats_proc: ServerProcess, redis_proc: ServerProcess
+) -> None:
+    env = _env(
+        NATS_URL=nats_proc.url,
+        REDIS_URL=redis_proc.url,
+        TORCHRELAY_OPERATOR_TOKEN=TOKEN,
+        TORCHRELAY_LOG_JSON="true",
+        TORCHRELAY_RPC_TIMEOUT_S="0.5",
+    )
+    ready = _serve_and_stop(env)
+    assert (ready["loop"], ready["http"]) == ("uvloop", "httptools")
+
+
+def test_falls_back_to_asyncio_and_h11_without_them(
+    nats_proc: ServerProcess, redis_proc: ServerProcess
+) -> None:
+    env = _env(
+        NATS_URL=nats_proc.url,
+        REDIS_URL=redis_proc.url,
+        TORCHRELAY_OPERATOR_TOKEN=TOKEN,
+        TORCHRELAY_LOG_JSON="true",
+        TORCHRELAY_RPC_TIMEOUT_S="0.5",
+    )
+    ready = _serve_and_stop(env, without=("uvloop", "httptools"))
+    assert (ready["loop"], ready["http"]) == ("asyncio", "h11")
