@@ -47,6 +47,7 @@ from services.api.gateway import (
     parse_list,
     unauthorized,
 )
+from services.api.kept import INCIDENTS_PATH, KeptAnswers, incidents_key
 from services.api.models import (
     CURSOR_PATTERN,
     PERIOD_PATTERN,
@@ -169,13 +170,6 @@ def tenant_filter(principal: Principal, requested: str | None) -> tuple[str | No
     if requested is not None and requested != principal.tenant:
         return principal.tenant, False
     return principal.tenant, True
-
-
-def incidents_key(who: Principal, query_string: bytes) -> tuple[Any, ...]:
-    """The cache key of a ``GET /v1/incidents`` answer: the token's scope and tenant (a tenant
-    never gets an answer made for another) and the query exactly as sent (a query string
-    that validated once validates the same way again)."""
-    return ("GET /v1/incidents", who.scope, who.tenant, query_string)
 
 
 def _json(model: BaseModel) -> Response:
@@ -970,66 +964,23 @@ class _HttpMetrics:
             )
 
 
-class _KeptIncidents:
-    """Pure ASGI middleware answering a repeated ``GET /v1/incidents`` from the list cache.
+class _PortalApp(FastAPI):
+    """FastAPI with the kept answers (:mod:`services.api.kept`) in front of it: a repeated
+    ``GET /v1/incidents`` of a remembered token is answered before routing and before
+    FastAPI's per-request telemetry; every other request is FastAPI's."""
 
-    The route keeps each answer it made for ``TORCHRELAY_LIST_CACHE_S`` under
-    :func:`incidents_key`. A request with the same query string, from a bearer token the
-    token store authenticated within its cache time, gets those bytes with the headers the
-    route sends, without routing, dependency resolution and parameter validation again. Any
-    other request (no token, a token not remembered, a query not answered lately, an error)
-    goes to the app.
-    """
-
-    PATH = "/v1/incidents"
-
-    def __init__(self, app: Callable[..., Awaitable[None]], state: ApiState, route: Any) -> None:
-        self.app = app
-        self.state = state
-        self.route = route
+    kept: KeptAnswers | None = None
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        key = self._key(scope) if scope["type"] == "http" else None
-        body = None if key is None else self.state.lists.kept(key)
-        if key is not None and body is None:
-            # The answer is being made for another request: wait for it rather than go
-            # through the app only to join the same computation there.
-            pending = self.state.lists.pending(key)
-            if pending is not None:
-                with contextlib.suppress(Exception):  # its error is the app's to answer
-                    body = await asyncio.shield(pending)
-        if body is None:
-            await self.app(scope, receive, send)
+        kept = self.kept
+        if (
+            kept is not None
+            and scope["type"] == "http"
+            and scope["path"] == INCIDENTS_PATH
+            and await kept.answer(scope, send)
+        ):
             return
-        scope["route"] = self.route  # the metrics label the route would have
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-length", str(len(body)).encode()),
-                    (b"content-type", b"application/json"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    def _key(self, scope: MutableMapping[str, Any]) -> tuple[Any, ...] | None:
-        if scope["path"] != self.PATH or scope["method"] != "GET":
-            return None
-        tokens = self.state.tokens
-        if tokens is None:
-            return None
-        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if authorization is None:
-            return None
-        scheme, _, token = authorization.decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        who = tokens.remembered(token.strip())
-        if who is None:
-            return None
-        return incidents_key(who, scope.get("query_string", b""))
+        await super().__call__(scope, receive, send)
 
 
 async def _connect(st: ApiState, settings: ApiSettings) -> list[Callable[[], Awaitable[Any]]]:
@@ -1112,7 +1063,7 @@ def create_app(
                 with contextlib.suppress(Exception):
                     await close()
 
-    app = FastAPI(
+    app = _PortalApp(
         title="torchrelay portal API",
         version=__version__,
         lifespan=lifespan,
@@ -1138,9 +1089,8 @@ def create_app(
 
     add_ui(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    incidents = next(r for r in app.routes if getattr(r, "path", "") == _KeptIncidents.PATH)
-    app.add_middleware(_KeptIncidents, state=st, route=incidents)
     app.add_middleware(_HttpMetrics, state=st)
+    app.kept = KeptAnswers(st)
     return app
 
 

@@ -46,7 +46,9 @@ def new_token(*, development: bool = False) -> str:
 
 def token_digest(pepper: bytes, token: str) -> str:
     """The stored form of a token: HMAC-SHA256 under the server's pepper, hex."""
-    return hmac.new(pepper, token.encode(), hashlib.sha256).hexdigest()
+    # hmac.digest is the one-shot C implementation: the same digest at a fraction of the
+    # cost of hmac.new(...), and this runs on every request.
+    return hmac.digest(pepper, token.encode(), hashlib.sha256).hex()
 
 
 class TokenStoreUnavailable(RuntimeError):
