@@ -13,6 +13,7 @@ import redis as redis_sync
 from fastapi.security.utils import get_authorization_scheme_param
 
 from services.api.app import create_app
+from services.api.auth import TokenStore, token_digest
 from services.api.kept import KeptAnswers, bearer_token
 from services.api.settings import ApiSettings
 from tests.unit.api.canned import OPERATOR_TOKEN, BackgroundLoop, CannedServices, ServerThread
@@ -243,3 +244,10 @@ def test_over_http_the_kept_answer_has_the_routes_status_headers_and_body(
     finally:
         server.stop()
         loop.close()
+
+
+def test_the_token_store_digests_a_token_as_token_digest_does() -> None:
+    store = TokenStore(None, b"pepper-1")
+    for token in ("tr_abc", "trdev_" + "x" * 40, "é"):
+        assert store._digest(token) == token_digest(b"pepper-1", token)
+    assert TokenStore(None, b"pepper-2")._digest("tr_abc") != store._digest("tr_abc")
