@@ -115,6 +115,10 @@ class SparePool:
         # arrive here, and most are not from spares: they are dropped without a Redis call.
         self._tracked: set[str] = set()
         self._pending: set[asyncio.Future[None]] = set()
+        # Depth checks run from RPCs, background tasks after reservations and the sweeper.
+        # One at a time: a check that read the inventory earlier must not set the gauge (or
+        # judge the low alarm) after a check that read it later.
+        self._depth_lock = asyncio.Lock()
         registry = ctx.metrics.registry
         self.available = Gauge(
             "spares_available",
@@ -156,6 +160,12 @@ class SparePool:
         self, cluster: str | None = None, nvlink_domain: str | None = None
     ) -> list[dict[str, Any]]:
         """Refresh the gauge of the matching domains and raise/clear their low alarms."""
+        async with self._depth_lock:
+            return await self._check_depth(cluster, nvlink_domain)
+
+    async def _check_depth(
+        self, cluster: str | None, nvlink_domain: str | None
+    ) -> list[dict[str, Any]]:
         rows = await self.inventory.depth(cluster, nvlink_domain)
         out = []
         for row in rows:

@@ -143,6 +143,9 @@ class Job:
         self._step_started: float | None = None
         self._finished = False
         self._exit_status = 0
+        # Where to append this member's recovery timeline (wall-clock phases), if anywhere.
+        timeline = os.environ.get("TORCHRELAY_AGENT_TIMELINE")
+        self._timeline = Path(timeline) / f"{self.member_id}.timeline" if timeline else None
 
         # The rendezvous store every member hosts; a generation names whose one is used.
         self._store = TCPStore(
@@ -239,6 +242,7 @@ class Job:
             if drop_now:
                 self._exiting = True
         self._wakeup.set()
+        self._mark("generation_seen", generation=gen.generation)
         if drop_now:
             # On the net thread: the report must go out from this loop before we exit.
             self._net.submit(
@@ -316,6 +320,7 @@ class Job:
                 self._collective_failed(gen, rank, exc)
                 continue
             self._gen, self._pg, self._rank = gen, pg, rank
+            self._mark("group_formed", generation=gen.generation)
             try:
                 # Once the group formed every member is in it: like a step, the sync is
                 # left only for an immediate generation (a boundary one is entered after).
@@ -326,6 +331,7 @@ class Job:
                 self._collective_failed(gen, rank, exc)
                 continue
             self._regroup = False
+            self._mark("state_synced", generation=gen.generation, bytes_received=received)
             self._resume = {
                 "generation": gen.generation,
                 "rank": rank,
@@ -397,6 +403,7 @@ class Job:
 
     def _collective_failed(self, gen: Generation, rank: int, exc: CollectiveError) -> None:
         """Report the failure and wait until a newer generation is known."""
+        self._mark("collective_failed", generation=gen.generation)
         self._report(
             ReportKind.COLLECTIVE_FAILED,
             generation=gen.generation,
@@ -588,6 +595,7 @@ class Job:
                 stall_ms=stall_ms,
                 event_id=make_event_id("resumed", self.member_id, resume["generation"]),
             )
+            self._mark("resumed", generation=resume["generation"], step=step, stall_ms=stall_ms)
             self._lost_steps = 0
             with self._lock:
                 self._disrupted_t = None
@@ -637,6 +645,21 @@ class Job:
         return state_digest(self._tracked, self._committed)
 
     # ------------------------------------------------------------------ reports, exits
+
+    def _mark(self, event: str, **fields: Any) -> None:
+        """Append a timed event to ``$TORCHRELAY_AGENT_TIMELINE/<member>.timeline``, if set.
+
+        The recovery path's phases (generation seen, group formed, state synced, resumed)
+        in wall-clock time, to line up with the services' logs when a stall is analysed.
+        """
+        if self._timeline is None:
+            return
+        line = json.dumps({"t": time.time(), "event": event, **fields})
+        try:
+            with self._timeline.open("a") as out:
+                out.write(line + "\n")
+        except OSError:
+            self._timeline = None  # a broken debug aid must never hurt training
 
     def _make_report(self, kind: ReportKind, *, event_id: str, **fields: Any) -> AgentReport:
         fields.setdefault("rank", self._rank)
