@@ -1054,7 +1054,9 @@ def create_app(
                 )
             assert st.bus is not None
             st.gateway = Gateway(st.bus, cfg.rpc_timeout_s)
-            st.lists = ResponseCache[bytes](cfg.list_cache_s)
+            # Refreshed ahead in the last quarter of their time: a busy query's answer is
+            # replaced before it expires instead of every client waiting for it each second.
+            st.lists = ResponseCache[bytes](cfg.list_cache_s, refresh_s=cfg.list_cache_s / 4)
             yield
         finally:
             st.gateway = None

@@ -78,8 +78,12 @@ class TokenStore:
         self._prefix = prefix
         self._cache_s = cache_s
         # Known principals only: an unknown token is looked up again (it may be issued now).
+        # A token asked for in the last quarter of its time is looked up again in the
+        # background, so a busy token never falls out of the cache (all its requests would
+        # then take the slow path at once); a revoked one is dropped by that lookup, and in
+        # any case within cache_s of its revocation.
         self._cache: ResponseCache[Principal | None] = ResponseCache(
-            cache_s, max_entries=10_000, keep=lambda p: p is not None
+            cache_s, max_entries=10_000, keep=lambda p: p is not None, refresh_s=cache_s / 4
         )
 
     @classmethod

@@ -105,3 +105,108 @@ async def test_a_full_cache_drops_expired_answers_first() -> None:
     await cache.get("b", make)
     await cache.get("c", make)  # full: "a" has expired and goes
     assert set(cache._answers) == {"b", "c"}
+
+
+class Made:
+    """A computation the test releases: ``answers`` in order, counting the calls."""
+
+    def __init__(self, *answers: bytes | None) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self) -> bytes | None:
+        self.calls += 1
+        answer = self.answers.pop(0)
+        await self.release.wait()
+        if answer is None:
+            raise RuntimeError("scheduler down")
+        return answer
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_an_answer_asked_for_near_its_expiry_is_refreshed_in_the_background() -> None:
+    clock = Clock()
+    cache: ResponseCache[bytes | None] = ResponseCache(1.0, clock=clock, refresh_s=0.25)
+    make = Made(b"first", b"second")
+    assert await cache.get("k", make) == b"first"
+    clock.now += 0.5
+    assert cache.kept("k") == b"first"  # outside the refresh window: nothing asked
+    await settle()
+    assert make.calls == 1
+    clock.now += 0.3  # 0.2 s left
+    make.release.clear()
+    assert cache.kept("k") == b"first"  # answered at once, the refresh started
+    assert cache.pending("k") is not None
+    assert await cache.get("k", make) == b"first"  # nobody waits for the refresh
+    assert cache.kept("k") == b"first"
+    make.release.set()
+    await settle()
+    assert make.calls == 2
+    assert cache.kept("k") == b"second"
+    clock.now += 0.9  # the new answer's time counts from when its computation started
+    assert cache.kept("k") == b"second"
+    clock.now += 0.2
+    assert cache.kept("k") is None
+
+
+async def test_a_refresh_that_is_not_kept_drops_the_answer_it_replaces() -> None:
+    clock = Clock()
+    cache: ResponseCache[bytes | None] = ResponseCache(
+        10.0, clock=clock, keep=lambda a: a != b"revoked", refresh_s=2.5
+    )
+    make = Made(b"known", b"revoked")
+    assert await cache.get("token", make) == b"known"
+    clock.now += 8.0
+    assert cache.kept("token") == b"known"
+    await settle()
+    assert make.calls == 2
+    assert cache.kept("token") is None  # before its 10 s were up
+
+
+async def test_a_failed_refresh_keeps_the_answer_until_it_expires() -> None:
+    clock = Clock()
+    cache: ResponseCache[bytes | None] = ResponseCache(1.0, clock=clock, refresh_s=0.25)
+    make = Made(b"first", None, b"third")
+    assert await cache.get("k", make) == b"first"
+    clock.now += 0.8
+    assert cache.kept("k") == b"first"
+    await settle()
+    assert make.calls == 2  # that refresh failed
+    make.release.clear()
+    assert cache.kept("k") == b"first"  # still in its time; the next hit tries again
+    assert cache.pending("k") is not None
+    clock.now += 0.3
+    assert cache.kept("k") is None  # expired: never answered past its time
+    waiting = asyncio.ensure_future(cache.get("k", make))  # joins the refresh under way
+    await settle()
+    assert not waiting.done()
+    make.release.set()
+    assert await waiting == b"third"
+    assert make.calls == 3
+
+
+async def test_no_refresh_ahead_by_default_or_outside_a_running_loop() -> None:
+    clock = Clock()
+    cache: ResponseCache[bytes | None] = ResponseCache(1.0, clock=clock)
+    make = Made(b"first", b"second")
+    assert await cache.get("k", make) == b"first"
+    clock.now += 0.99
+    assert cache.kept("k") == b"first"
+    await settle()
+    assert make.calls == 1
+
+
+def test_kept_outside_an_event_loop_answers_without_refreshing() -> None:
+    clock = Clock()
+    cache: ResponseCache[bytes | None] = ResponseCache(1.0, clock=clock, refresh_s=0.5)
+    make = Made(b"first")
+    assert asyncio.run(cache.get("k", make)) == b"first"
+    clock.now += 0.9
+    assert cache.kept("k") == b"first"
+    assert cache.pending("k") is None
