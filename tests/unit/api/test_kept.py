@@ -251,3 +251,22 @@ def test_the_token_store_digests_a_token_as_token_digest_does() -> None:
     for token in ("tr_abc", "trdev_" + "x" * 40, "é"):
         assert store._digest(token) == token_digest(b"pepper-1", token)
     assert TokenStore(None, b"pepper-2")._digest("tr_abc") != store._digest("tr_abc")
+
+
+def test_a_busy_query_is_refreshed_ahead_and_never_waits_for_the_scheduler(
+    api_settings: ApiSettings, canned: CannedServices, operator: dict[str, str]
+) -> None:
+    def asked() -> int:
+        return sum(1 for s, v, _ in canned.requests if (s, v) == ("scheduler", "incident_list"))
+
+    with kept_client(api_settings, list_cache_s=1.0) as c:
+        hot = counted(c)
+        assert c.get("/v1/incidents", headers=operator).status_code == 200  # the route
+        before, sent = asked(), 0
+        until = time.monotonic() + 2.6
+        while time.monotonic() < until:
+            assert c.get("/v1/incidents", headers=operator).status_code == 200
+            sent += 1
+        # Asked again about every 0.75-1 s in the background; every request answered here.
+        assert 2 <= asked() - before <= 4
+        assert hot.answered == sent
