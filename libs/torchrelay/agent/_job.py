@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn
@@ -43,11 +44,12 @@ from torchrelay.agent._state import (
     Stateful,
     as_bytes,
     empty_for,
+    load_entries,
     pack_state,
     read_header,
     slots,
+    split_by_arrival,
     state_digest,
-    unpack_state,
 )
 from torchrelay.contract import (
     EXIT_APPLICATION_ERROR,
@@ -96,6 +98,18 @@ def _nats_url() -> str:
         ) from exc
 
 
+@dataclass
+class _PendingState:
+    """A received state whose modules are loaded while the rest is still arriving."""
+
+    gen: Generation
+    pg: Any
+    skeleton: Any
+    large: list[torch.Tensor]
+    works: list[Any]
+    loaded: list[str]
+
+
 class Job:
     """This process's membership in a torchrelay job (create it with :func:`init`)."""
 
@@ -138,6 +152,7 @@ class Job:
         self._disrupted_t: float | None = None  # when this rank first learnt of the change
         self._lost_steps = 0
         self._resume: dict[str, Any] | None = None
+        self._pending: _PendingState | None = None  # state of the last sync still arriving
         self._last_step_hb = 0.0
         self._step_time: float | None = None
         self._step_started: float | None = None
@@ -296,6 +311,7 @@ class Job:
         """Join the newest generation naming us and bring every rank to the same state."""
         while True:
             gen = self._named_generation()
+            self._pending = None  # state still arriving in a group that is being left
             if self._pg is not None:
                 self.backend.abandon(self._pg)
                 self._pg = None
@@ -305,6 +321,7 @@ class Job:
             # mode too) supersedes this one: members that saw the newer one first never join
             # this group, and waiting for them would last until the rendezvous timeout.
             stale = self._superseded(gen)
+            self._mark("forming", generation=gen.generation)
             try:
                 pg = form_group(
                     self.backend,
@@ -378,17 +395,43 @@ class Job:
             header = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
             self._run(pg.recv([header], source, tag), pg, stale)
             skeleton = read_header(header)
+            if int(skeleton["step"]) != best:
+                raise AgentError(f"recovery source sent step {skeleton['step']}, expected {best}")
+            early, count = split_by_arrival(skeleton, self._tracked)
+            self._has_state = False  # until all of it arrived (see _settle_state)
             large = [empty_for(slot, dev) for slot in slots(skeleton)]
             works = [pg.recv([as_bytes(t)], source, tag) for t in large]
-            for work in works:
+            # The modules come first: load them and let the step's forward and backward run
+            # while the rest (optimizer state) still arrives; step() waits for it.
+            for work in works[:count]:
                 self._run(work, pg, stale)
-            step = unpack_state(skeleton, large, self._tracked)
-            if step != best:
-                raise AgentError(f"recovery source sent step {step}, expected {best}")
+            load_entries(skeleton, large, self._tracked, early)
             self._committed = best
-            self._has_state = True
+            self._pending = _PendingState(gen, pg, skeleton, large, works[count:], early)
+            if count == len(works):
+                self._settle_state()
             return int(header.numel()) + sum(t.numel() * t.element_size() for t in large)
         return 0
+
+    def _settle_state(self) -> None:
+        """Wait for the state still arriving from the last sync and load it.
+
+        Until then this member does not count as holding the state (``_has_state``): if
+        the group fails meanwhile, the next generation sends it the whole state again.
+
+        Raises:
+            Abandoned, CollectiveError: the group was left before the state arrived.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for work in pending.works:
+            self._run(work, pending.pg, self._stale(pending.gen))
+        late = [name for name in self._tracked if name not in pending.loaded]
+        load_entries(pending.skeleton, pending.large, self._tracked, late)
+        self._has_state = True
+        if pending.works:
+            self._mark("state_settled", generation=pending.gen.generation)
 
     def _run(self, work: Any, pg: Any, stale: Callable[[], bool]) -> None:
         """Wait for ``work``; on Abandoned/CollectiveError the group is given up for good."""
@@ -488,6 +531,7 @@ class Job:
         assert gen is not None
         flag = torch.tensor([self._committed], dtype=torch.int64, device=self.backend.device)
         try:
+            self._settle_state()
             self._run(pg.allreduce([flag], dist.AllreduceOptions()), pg, self._stale(gen))
         except Abandoned:
             return False
@@ -519,6 +563,18 @@ class Job:
             if p.requires_grad
         ]
         params = list(dict.fromkeys(params))  # a parameter shared by two optimizers: once
+        if self._pending is not None:
+            gen = self._gen
+            assert gen is not None
+            try:
+                self._settle_state()
+            except Abandoned:
+                self._discard(params)
+                return False
+            except CollectiveError as exc:
+                self._collective_failed(gen, self.rank, exc)
+                self._discard(params)
+                return False
         while True:
             gen, pg = self._gen, self._pg
             assert gen is not None

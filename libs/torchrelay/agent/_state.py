@@ -85,14 +85,30 @@ class PackedState:
     large: list[torch.Tensor]
 
 
+def forward_first(tracked: Mapping[str, Stateful]) -> list[str]:
+    """The tracked names in sending order: modules (what a forward pass reads) first.
+
+    A receiver can run its first forward and backward once the modules arrived, while the
+    optimizer and scheduler states (for Adam, twice the model's bytes) are still on the way;
+    they are needed only when the optimizer steps.
+    """
+    return sorted(tracked, key=lambda name: not isinstance(tracked[name], torch.nn.Module))
+
+
 def pack_state(
     tracked: Mapping[str, Stateful], step: int, device: torch.device | None = None
 ) -> PackedState:
-    """Split every tracked state dict and the committed step for sending to ``device``."""
+    """Split every tracked state dict and the committed step for sending to ``device``.
+
+    The large tensors are numbered (and sent) in :func:`forward_first` order.
+    """
     device = device or torch.device("cpu")
     large: list[torch.Tensor] = []
     skeleton = _strip(
-        {"step": step, "state": {name: obj.state_dict() for name, obj in tracked.items()}},
+        {
+            "step": step,
+            "state": {name: tracked[name].state_dict() for name in forward_first(tracked)},
+        },
         large,
     )
     meta = io.BytesIO()
@@ -143,28 +159,63 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def unpack_state(skeleton: Any, large: list[torch.Tensor], tracked: Mapping[str, Stateful]) -> int:
-    """Load a received state (header structure + its large tensors) into ``tracked``.
-
-    Returns the step. Raises ValueError when the sender tracked different names.
-    """
-    found = slots(skeleton)
-    if len(found) != len(large):
-        raise ValueError(f"recovery state announces {len(found)} tensors, got {len(large)}")
-    placed = [
-        t.cpu() if slot.on_cpu and t.device.type != "cpu" else t
-        for slot, t in zip(found, large, strict=True)
-    ]
-    payload = _fill(skeleton, placed)
-    state = payload["state"]
+def check_names(skeleton: Any, tracked: Mapping[str, Stateful]) -> None:
+    """Raise ValueError unless the sender tracked exactly the names this process tracks."""
+    state = skeleton["state"]
     if set(state) != set(tracked):
         raise ValueError(
             f"the recovery source tracks {sorted(state)} but this process tracks "
             f"{sorted(tracked)}: call job.track() with the same names everywhere"
         )
-    for name, obj in tracked.items():
-        obj.load_state_dict(state[name])
-    return int(payload["step"])
+
+
+def split_by_arrival(skeleton: Any, tracked: Mapping[str, Stateful]) -> tuple[list[str], int]:
+    """The names a forward pass needs (modules) and how many large tensors they span.
+
+    Those tensors are the first ones sent (:func:`pack_state` numbers them in
+    :func:`forward_first` order), so they can be loaded before the rest has arrived.
+    """
+    check_names(skeleton, tracked)
+    early = [name for name in forward_first(tracked) if isinstance(tracked[name], torch.nn.Module)]
+    indices = [slot.index for slot in slots({name: skeleton["state"][name] for name in early})]
+    if indices != list(range(len(indices))):
+        return [], len(slots(skeleton))  # sent in another order: wait for everything
+    return early, len(indices)
+
+
+def load_entries(
+    skeleton: Any,
+    large: list[torch.Tensor],
+    tracked: Mapping[str, Stateful],
+    names: list[str] | None = None,
+) -> int:
+    """Load the received state of ``names`` (default: all) into ``tracked``; the step.
+
+    Only the large tensors of ``names`` need to have arrived.
+    """
+    found = slots(skeleton)
+    if len(found) != len(large):
+        raise ValueError(f"recovery state announces {len(found)} tensors, got {len(large)}")
+    check_names(skeleton, tracked)
+    wanted = names if names is not None else list(tracked)
+    needed = {slot.index for name in wanted for slot in slots(skeleton["state"][name])}
+    # A tensor that lived on the CPU at the sender goes back there; only the loaded ones
+    # (the others may still be arriving).
+    placed = [
+        t.cpu() if slot.index in needed and slot.on_cpu and t.device.type != "cpu" else t
+        for slot, t in zip(found, large, strict=True)
+    ]
+    for name in wanted:
+        tracked[name].load_state_dict(_fill(skeleton["state"][name], placed))
+    return int(skeleton["step"])
+
+
+def unpack_state(skeleton: Any, large: list[torch.Tensor], tracked: Mapping[str, Stateful]) -> int:
+    """Load a received state (header structure + its large tensors) into ``tracked``.
+
+    Returns the step. Raises ValueError when the sender tracked different names.
+    """
+    return load_entries(skeleton, large, tracked)
 
 
 def transfer_locally(

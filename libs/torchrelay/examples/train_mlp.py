@@ -65,10 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    job = torchrelay.init()
+    # Build the model and optimizer first: a hot spare blocks in init() until it takes a
+    # rank, and whatever it built before is ready then instead of on the survivors' stall.
     model = build_model(args.hidden)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.5)
+    job = torchrelay.init()
     job.track(model=model, optimizer=optimizer, scheduler=scheduler)
     loss_fn = nn.CrossEntropyLoss()
     dataset = make_dataset()

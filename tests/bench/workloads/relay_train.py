@@ -19,9 +19,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    job = torchrelay.init()  # a spare blocks here until it takes a rank
+    # Built before init(), as README recommends: a hot spare blocks in init() until it takes a
+    # rank, so whatever it builds before is ready, and off the survivors' stall, when it does.
     model = build_model()
     optimizer = build_optimizer(model)
+    job = torchrelay.init()  # a spare blocks here until it takes a rank
     job.track(model=model, optimizer=optimizer)
     log: StepLog | None = None
     # job.batches drives the step index; the data itself is the bench's step-indexed batch

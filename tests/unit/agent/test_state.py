@@ -7,9 +7,12 @@ import torch
 from torch import nn
 
 from torchrelay.agent._state import (
+    forward_first,
+    load_entries,
     pack_state,
     read_header,
     slots,
+    split_by_arrival,
     state_digest,
     transfer_locally,
     unpack_state,
@@ -94,3 +97,54 @@ def test_a_short_tensor_list_and_a_garbled_header_are_refused() -> None:
         unpack_state(skeleton, [], big())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="malformed"):
         read_header(packed.header[: packed.header.numel() // 2])
+
+
+def _received(source: dict[str, object], step: int) -> tuple[object, list[torch.Tensor]]:
+    """What a receiver holds after the wire: the header structure and its large tensors."""
+    packed = pack_state(source, step)  # type: ignore[arg-type]
+    skeleton = read_header(packed.header.clone())
+    large = []
+    for slot, data in zip(slots(skeleton), packed.large, strict=True):
+        t = torch.empty(slot.shape, dtype=slot.dtype)
+        t.reshape(-1).view(torch.uint8).copy_(data)
+        large.append(t)
+    return skeleton, large
+
+
+def big_trained(seed: int) -> dict[str, object]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 256))  # > 64 KiB each
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    # The optimizer tracked first: the sending order must still put the model first.
+    return {"optimizer": opt, "model": model}
+
+
+def test_modules_are_sent_first_and_load_before_the_optimizer_state_arrives() -> None:
+    source, target = big_trained(1), big_trained(2)
+    assert forward_first(source) == ["model", "optimizer"]  # type: ignore[arg-type]
+    skeleton, large = _received(source, 7)
+    early, count = split_by_arrival(skeleton, target)  # type: ignore[arg-type]
+    assert early == ["model"]
+    # The two weights travel on their own (the biases, under 64 KiB, are in the header),
+    # then Adam's two moments of each weight.
+    assert count == 2
+    assert len(large) == 6
+    # The optimizer's tensors have not "arrived": poison them; loading the model ignores them.
+    arrived = [t if i < count else torch.full_like(t, float("nan")) for i, t in enumerate(large)]
+    assert load_entries(skeleton, arrived, target, early) == 7  # type: ignore[arg-type]
+    assert state_digest({"m": source["model"]}) == state_digest({"m": target["model"]})  # type: ignore[dict-item]
+    assert state_digest(source) != state_digest(target)  # type: ignore[arg-type]
+    load_entries(skeleton, large, target, ["optimizer"])  # type: ignore[arg-type]
+    assert state_digest(source) == state_digest(target)  # type: ignore[arg-type]
+
+
+def test_without_modules_nothing_is_needed_before_the_step() -> None:
+    source, target = big_trained(1), big_trained(2)
+    skeleton, large = _received({"optimizer": source["optimizer"]}, 3)
+    early, count = split_by_arrival(skeleton, {"optimizer": target["optimizer"]})  # type: ignore[dict-item]
+    assert early == []
+    assert count == 0
+    assert len(large) == 4  # the moments of the two weights, all loaded at the step
