@@ -98,6 +98,28 @@ def _nats_url() -> str:
         ) from exc
 
 
+def state_sources(steps: list[int]) -> dict[int, int]:
+    """Which rank sends the state to each rank that lacks it: ``{receiver: sender}``.
+
+    ``steps`` are the committed steps of the group's ranks (from the step agreement); the
+    holders of the highest one can send. Each receiver takes it from the nearest holder
+    before it in ring order: the ring's all-gather has just connected that pair (gloo
+    connects a pair on first use), and two receivers are mostly served by two senders.
+    """
+    best = max(steps)
+    world = len(steps)
+    sources: dict[int, int] = {}
+    for receiver, step in enumerate(steps):
+        if step == best:
+            continue
+        for back in range(1, world):
+            holder = (receiver - back) % world
+            if steps[holder] == best:
+                sources[receiver] = holder
+                break
+    return sources
+
+
 @dataclass
 class _PendingState:
     """A received state whose modules are loaded while the rest is still arriving."""
@@ -373,23 +395,23 @@ class Job:
         best = max(steps)
         if best == NO_STATE:
             raise AgentError(f"no member of generation {gen.generation} holds any state")
-        source = steps.index(best)
-        receivers = [r for r, s in enumerate(steps) if s < best]
+        sources = state_sources(steps)
+        receivers = sorted(sources)
         tag = gen.generation
-        if rank == source and receivers:
+        mine = [dst for dst in receivers if sources[dst] == rank]
+        if mine:
             packed = pack_state(self._tracked, best, dev)
             size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=dev)
             # Post every send at once (header, then each large tensor straight from the
             # state); the group's transport streams them back to back.
             works = [
-                pg.send([t], dst, tag)
-                for dst in receivers
-                for t in (size, packed.header, *packed.large)
+                pg.send([t], dst, tag) for dst in mine for t in (size, packed.header, *packed.large)
             ]
             for work in works:
                 self._run(work, pg, stale)
             return 0
-        if rank in receivers:
+        if rank in sources:
+            source = sources[rank]
             size = torch.zeros(1, dtype=torch.int64, device=dev)
             self._run(pg.recv([size], source, tag), pg, stale)
             header = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
