@@ -398,14 +398,16 @@ class Job:
         sources = state_sources(steps)
         receivers = sorted(sources)
         tag = gen.generation
-        mine = [dst for dst in receivers if sources[dst] == rank]
-        if mine:
+        sending_to = [dst for dst in receivers if sources[dst] == rank]
+        if sending_to:
             packed = pack_state(self._tracked, best, dev)
             size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=dev)
             # Post every send at once (header, then each large tensor straight from the
             # state); the group's transport streams them back to back.
             works = [
-                pg.send([t], dst, tag) for dst in mine for t in (size, packed.header, *packed.large)
+                pg.send([t], dst, tag)
+                for dst in sending_to
+                for t in (size, packed.header, *packed.large)
             ]
             for work in works:
                 self._run(work, pg, stale)
