@@ -5,9 +5,9 @@ What runs: a real ``nats-server`` and ``redis-server``; the real scheduler servi
 (jobs registered and faults published on the bus); the API as its own process
 (``python -m services.api``, uvicorn, default settings: answers of identical list queries
 kept ``TORCHRELAY_LIST_CACHE_S`` = 1 s); and, in this process, 200 clients, each with its own
-keep-alive HTTP/1.1 connection, using the operator token. The clients are a small asyncio
-HTTP/1.1 client (:class:`_Keepalive`), not httpx: 200 httpx clients used more CPU than the
-API and, on this 2-core machine, set the latency themselves.
+keep-alive HTTP/1.1 connection, using the operator token. The clients are a bare asyncio
+protocol (:class:`_Keepalive`), not httpx: 200 httpx clients used more CPU than the API and,
+on this 2-core machine, set the latency themselves.
 
 Two loads, each over 200 concurrent clients asking for one page of 50 incidents:
 
@@ -26,7 +26,6 @@ generator's share (it runs in this process, on the same cores as the API).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import os
@@ -35,8 +34,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -223,40 +223,68 @@ async def _seed(nats_url: str) -> None:
         await bus.close()
 
 
-class _Keepalive:
+class _Keepalive(asyncio.Protocol):
     """One HTTP/1.1 keep-alive connection sending one prepared GET at a time.
 
-    A load generator that costs little CPU: httpx spends more CPU per request than the API
-    does, so with 200 httpx clients on this 2-core machine the clients, not the API, set the
-    latency. The answer is checked (status 200 and a page of PAGE incidents) without parsing
-    the JSON.
+    A load generator that costs little CPU: it shares the 2 cores with the API, so every
+    microsecond it spends is taken from the API and counted as the API's latency. httpx spent
+    more CPU per request than the API; asyncio streams (``readuntil``/``readexactly``, two
+    wakeups per answer) about as much as the API's kept answer. This is a bare protocol:
+    bytes in, one future completed per answer. The answer is checked (status 200 and a page
+    of PAGE incidents) without parsing the JSON.
     """
 
     def __init__(self, host: str, port: int, request: bytes) -> None:
         self.host, self.port, self.request = host, port, request
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.transport: asyncio.Transport | None = None
+        self.received = bytearray()
+        self.answer_end = -1  # where the answer being received ends, once its head is in
+        self.waiter: asyncio.Future[bytes] | None = None
 
     async def get(self) -> tuple[bool, str]:
-        if self.writer is None or self.reader is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.writer.write(self.request)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = head[9:12]
-        length = 0
-        for line in head.lower().split(b"\r\n"):
-            if line.startswith(b"content-length:"):
-                length = int(line[15:])
-        body = await self.reader.readexactly(length)
+        loop = asyncio.get_running_loop()
+        if self.transport is None:
+            await loop.create_connection(lambda: self, self.host, self.port)
+        assert self.transport is not None
+        self.waiter = loop.create_future()
+        self.transport.write(self.request)
+        answer = await self.waiter
+        head_end = answer.index(b"\r\n\r\n") + 4
+        status = answer[9:12]
+        body = answer[head_end:]
         if status != b"200" or body.count(b'"incident_id"') != PAGE:
             return False, f"{status.decode()} {body[:300].decode(errors='replace')}"
         return True, ""
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.received += data
+        if self.answer_end < 0:
+            head_end = self.received.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            length = 0
+            for line in bytes(self.received[:head_end]).lower().split(b"\r\n"):
+                if line.startswith(b"content-length:"):
+                    length = int(line[15:])
+            self.answer_end = head_end + 4 + length
+        if len(self.received) >= self.answer_end and self.waiter is not None:
+            answer = bytes(self.received[: self.answer_end])
+            del self.received[: self.answer_end]
+            self.answer_end = -1
+            if not self.waiter.done():
+                self.waiter.set_result(answer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"the API closed the connection: {exc}"))
+
     async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(OSError):
-                await self.writer.wait_closed()
+        if self.transport is not None:
+            self.transport.close()
 
 
 async def _load(url: str, mode: str) -> dict[str, Any]:
@@ -314,6 +342,17 @@ async def _load(url: str, mode: str) -> dict[str, Any]:
     if first_errors:
         summary["first_errors"] = first_errors
     return summary
+
+
+def _run_clients(load: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """Run the clients on uvloop's event loop when it is installed (a dependency of the API:
+    a cheaper generator leaves more of the shared cores to the API), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(load)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(load)
 
 
 def _measure(behind: str) -> dict[str, Any]:
@@ -380,19 +419,19 @@ def _measure(behind: str) -> dict[str, Any]:
             if count < INCIDENTS:
                 raise RuntimeError(f"{behind} holds {count} of {INCIDENTS} incidents")
             api_pid = procs[-1].pid
-            asyncio.run(_load(url, "warmup"))  # connections, caches
+            _run_clients(_load(url, "warmup"))  # connections, caches
             # The load generator's own garbage collections would stall all 200 clients at
             # once and be counted as the API's latency: keep this process's startup heap
             # (httpx, pydantic, the contract) out of them, as the API does with its own.
             gc.collect()
             gc.freeze()
             cpu, t0 = _cpu_s(api_pid), time.monotonic()
-            closed = asyncio.run(_load(url, "closed"))
+            closed = _run_clients(_load(url, "closed"))
             closed["cpu_pressure_avg10"] = _cpu_pressure()
             closed["api_cpu_ms_per_request"] = _cpu_per_request(api_pid, cpu, closed)
             closed["api_cpu_share"] = round((_cpu_s(api_pid) - cpu) / (time.monotonic() - t0), 3)
             cpu, t0 = _cpu_s(api_pid), time.monotonic()
-            portal = asyncio.run(_load(url, "paced"))
+            portal = _run_clients(_load(url, "paced"))
             portal["api_cpu_ms_per_request"] = _cpu_per_request(api_pid, cpu, portal)
             portal["api_cpu_share"] = round((_cpu_s(api_pid) - cpu) / (time.monotonic() - t0), 3)
         finally:
