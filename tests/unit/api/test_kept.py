@@ -28,9 +28,14 @@ class Counted(KeptAnswers):
         self.answered = 0
 
     async def answer(self, scope: Any, send: Any) -> bool:
-        done = await super().answer(scope, send)
-        self.answered += done
-        return done
+        async def counting(message: dict[str, Any]) -> None:
+            # Counted before the answer goes out: a client on another thread may read the
+            # count as soon as it has the answer.
+            if message["type"] == "http.response.start":
+                self.answered += 1
+            await send(message)
+
+        return await super().answer(scope, counting)
 
 
 def counted(client: TestClient) -> Counted:
