@@ -52,6 +52,7 @@ from services.scheduler.service import setup as scheduler_setup
 from services.spare_pool.service import SparePoolSettings
 from services.spare_pool.service import setup as spare_pool_setup
 from tests.integration.migration_executor.harness import EventTap, SimJob
+from torchrelay.auth import ADMIN, ensure_bundle
 from torchrelay.bus import Bus
 from torchrelay.contract import (
     FaultAction,
@@ -474,6 +475,17 @@ def _one_scale(gpus: int) -> dict[str, Any]:
         state = Path(tmp) / "stack"
         with RelayStack(state):
             stack = json.loads((state / "stack.json").read_text())
+            # With authentication on (the default) the replica connects as the detector and
+            # the load and the probe as the admin user, like the stack's own processes.
+            bundle = ensure_bundle(state / "auth") if stack.get("auth") else None
+            nats_url = bundle.nats_url(stack["nats_url"], ADMIN) if bundle else stack["nats_url"]
+            replica_env = {"NATS_URL": stack["nats_url"], "REDIS_URL": stack["redis_url"]}
+            if bundle is not None:
+                redis_port = int(stack["servers"]["redis"]["port"])
+                replica_env.update(
+                    TORCHRELAY_NATS_CREDENTIALS=str(bundle.cred_path("detector")),
+                    REDIS_URL=bundle.redis_url("127.0.0.1", redis_port, role="detector"),
+                )
             ports = [int(stack["services"]["detector"]["port"])]
             pids = [int(stack["services"]["detector"]["pid"])]
             extra: list[subprocess.Popen[bytes]] = []
@@ -482,8 +494,7 @@ def _one_scale(gpus: int) -> dict[str, Any]:
                     port = free_port()
                     env = {
                         **os.environ,
-                        "NATS_URL": stack["nats_url"],
-                        "REDIS_URL": stack["redis_url"],
+                        **replica_env,
                         "TORCHRELAY_HTTP_PORT": str(port),
                         "TORCHRELAY_LOG_LEVEL": "ERROR",
                         "TORCHRELAY_ENVIRONMENT": "test",
@@ -499,7 +510,7 @@ def _one_scale(gpus: int) -> dict[str, Any]:
                     _wait_ready(port, proc)
                     ports.append(port)
                     pids.append(proc.pid)
-                return asyncio.run(_scale_phase(stack["nats_url"], ports, pids, gpus))
+                return asyncio.run(_scale_phase(nats_url, ports, pids, gpus))
             finally:
                 for proc in extra:
                     proc.terminate()
