@@ -146,29 +146,25 @@ def _serve_and_stop(env: dict[str, str], without: tuple[str, ...] = ()) -> dict[
             proc.communicate()
 
 
-def test_serves_on_uvloop_and_httptools_when_installed(
-    nats_proc: ServerProcess, redis_proc: ServerProcess
-) -> None:
-    env = _env(
+def _served_env(nats_proc: ServerProcess, redis_proc: ServerProcess) -> dict[str, str]:
+    return _env(
         NATS_URL=nats_proc.url,
         REDIS_URL=redis_proc.url,
         TORCHRELAY_OPERATOR_TOKEN=TOKEN,
         TORCHRELAY_LOG_JSON="true",
         TORCHRELAY_RPC_TIMEOUT_S="0.5",
     )
-    ready = _serve_and_stop(env)
+
+
+def test_serves_on_uvloop_and_httptools_when_installed(
+    nats_proc: ServerProcess, redis_proc: ServerProcess
+) -> None:
+    ready = _serve_and_stop(_served_env(nats_proc, redis_proc))
     assert (ready["loop"], ready["http"]) == ("uvloop", "httptools")
 
 
 def test_falls_back_to_asyncio_and_h11_without_them(
     nats_proc: ServerProcess, redis_proc: ServerProcess
 ) -> None:
-    env = _env(
-        NATS_URL=nats_proc.url,
-        REDIS_URL=redis_proc.url,
-        TORCHRELAY_OPERATOR_TOKEN=TOKEN,
-        TORCHRELAY_LOG_JSON="true",
-        TORCHRELAY_RPC_TIMEOUT_S="0.5",
-    )
-    ready = _serve_and_stop(env, without=("uvloop", "httptools"))
+    ready = _serve_and_stop(_served_env(nats_proc, redis_proc), without=("uvloop", "httptools"))
     assert (ready["loop"], ready["http"]) == ("asyncio", "h11")
