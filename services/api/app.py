@@ -70,6 +70,7 @@ from services.api.models import (
     SpareRegistration,
     SpareSlot,
     Timeline,
+    TokenInfo,
     TokenIssued,
     TokenRequest,
 )
@@ -98,6 +99,7 @@ Cursor = Annotated[
 NodeName = Annotated[str, Path(pattern=NAME_PATTERN, max_length=128)]
 JobId = Annotated[str, Path(pattern=TOKEN_PATTERN, max_length=128)]
 ObjectId = Annotated[str, Path(pattern=ID_PATTERN, max_length=128)]
+TokenId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="token_id of the token")]
 ClusterQ = Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=128)]
 TenantQ = Annotated[str | None, Query(pattern=TOKEN_PATTERN, max_length=128)]
 
@@ -110,6 +112,7 @@ JobViewPage = Page[JobView]
 IncidentPage = Page[Incident]
 ContractPage = Page[Contract]
 CreditViewPage = Page[CreditView]
+TokenInfoPage = Page[TokenInfo]
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -188,6 +191,7 @@ class ApiState:
         self.settings: ApiSettings | None = None
         self.gateway: Gateway | None = None
         self.tokens: TokenStore | None = None
+        self.configured_id: str | None = None  # token_id of the settings' operator token
         self.lists: ResponseCache[bytes] = ResponseCache(0.0)
         self.bus: Bus | None = None
         self.redis: Any = None
@@ -342,6 +346,55 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(
             out.model_dump(mode="json"), status_code=201, headers={"Cache-Control": "no-store"}
         )
+
+    @app.get(
+        f"{v1}/tokens",
+        tags=["tokens"],
+        response_model=TokenInfoPage,
+        summary="the stored tokens (ids, scopes, tenants; never the secrets)",
+    )
+    async def list_tokens(
+        request: Request, _: Operator, limit: Limit = DEFAULT_LIMIT, cursor: Cursor = None
+    ) -> TokenInfoPage:
+        st = state_of(request)
+        tokens = st.require()[1]
+        rows = [
+            TokenInfo.model_validate({**row, "configured": row["token_id"] == st.configured_id})
+            for row in await tokens.listed()
+        ]
+        items, next_cursor = page_locally(rows, limit, cursor)
+        return TokenInfoPage(items=items, next_cursor=next_cursor)
+
+    @app.delete(
+        f"{v1}/tokens/{{token_id}}",
+        tags=["tokens"],
+        status_code=204,
+        summary="revoke a token (refused here at once, by other API replicas within "
+        "TORCHRELAY_TOKEN_CACHE_S)",
+    )
+    async def revoke_token(request: Request, token_id: TokenId, who: Operator) -> Response:
+        st = state_of(request)
+        tokens = st.require()[1]
+        if token_id == st.configured_id:
+            raise ApiProblem(
+                409,
+                "Conflict",
+                f"token {token_id} is the operator token of the API's settings "
+                "(TORCHRELAY_OPERATOR_TOKEN): it is stored again at every start; change the "
+                "setting to replace it",
+                kind="conflict",
+                field="token_id",
+            )
+        if not await tokens.revoke(token_id):
+            raise ApiProblem(
+                404,
+                "Not Found",
+                f"no token has id {token_id}",
+                kind="not-found",
+                field="token_id",
+            )
+        log.info("token revoked", extra={"token_id": token_id, "by": who.token_id})
+        return Response(status_code=204)
 
     # ----------------------------------------------------------------- fleet
 
@@ -1046,6 +1099,8 @@ def create_app(
                 )
             st.tokens = await TokenStore.open(st.redis, pepper, cache_s=cfg.token_cache_s)
             generated = await bootstrap_operator_token(st.tokens, cfg)
+            if cfg.operator_token is not None:
+                st.configured_id = st.tokens.token_id(cfg.operator_token.get_secret_value())
             if generated is not None:
                 log.warning(
                     "TORCHRELAY_OPERATOR_TOKEN is not set; development operator "

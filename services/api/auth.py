@@ -108,21 +108,74 @@ class TokenStore:
     def _key(self, digest: str) -> str:
         return f"{self._prefix}:token:{digest}"
 
+    @property
+    def _index(self) -> str:
+        """token_id -> digest of every stored token (listing and revoking by id)."""
+        return f"{self._prefix}:token_ids"
+
+    def token_id(self, token: str) -> str:
+        """The public id of ``token`` (the first 16 hex digits of its digest)."""
+        return self._digest(token)[:16]
+
     async def store(self, token: str, scope: ScopeName, tenant: str | None = None) -> Principal:
         """Keep the digest of ``token`` with its scope (idempotent: a restart re-stores it)."""
         digest = self._digest(token)
         principal = Principal(scope=scope, tenant=tenant, token_id=digest[:16])
-        await self._redis.hset(
-            self._key(digest),
+        key = self._key(digest)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(
+            key,
             mapping={
                 "digest": digest,
                 "scope": scope,
                 "tenant": tenant or "",
                 "token_id": principal.token_id,
-                "created_at": datetime.now(UTC).isoformat(),
             },
         )
+        pipe.hsetnx(key, "created_at", datetime.now(UTC).isoformat())  # a re-store keeps it
+        pipe.hset(self._index, principal.token_id, digest)
+        await pipe.execute()
         return principal
+
+    async def listed(self) -> list[dict[str, str | None]]:
+        """Every stored token's id, scope, tenant and creation time (never its secret),
+        oldest first."""
+        index = await self._redis.hgetall(self._index)
+        digests = sorted(_text(d) for d in index.values())
+        pipe = self._redis.pipeline(transaction=False)
+        for digest in digests:
+            pipe.hgetall(self._key(digest))
+        rows = []
+        for raw in await pipe.execute():
+            record = {_text(k): _text(v) for k, v in raw.items()}
+            if not record:
+                continue  # revoked between the two reads
+            rows.append(
+                {
+                    "token_id": record.get("token_id", ""),
+                    "scope": record.get("scope", ""),
+                    "tenant": record.get("tenant") or None,
+                    "created_at": record.get("created_at") or None,
+                }
+            )
+        rows.sort(key=lambda r: (r["created_at"] or "", r["token_id"] or ""))
+        return rows
+
+    async def revoke(self, token_id: str) -> bool:
+        """Delete the token with ``token_id``; False when there is none.
+
+        This process refuses it at once; another API replica within its token cache time.
+        """
+        raw = await self._redis.hget(self._index, token_id)
+        if raw is None:
+            return False
+        digest = _text(raw)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._key(digest))
+        pipe.hdel(self._index, token_id)
+        await pipe.execute()
+        self._cache.forget(digest)
+        return True
 
     async def issue(self, scope: ScopeName, tenant: str | None = None) -> tuple[str, Principal]:
         """A new token and its principal; the caller shows the token once."""
@@ -171,3 +224,7 @@ class TokenStore:
             tenant=record.get("tenant") or None,
             token_id=record.get("token_id", digest[:16]),
         )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

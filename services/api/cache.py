@@ -51,6 +51,9 @@ class ResponseCache(Generic[T]):
         # key -> (expires, answer, how it was made: for the refresh ahead)
         self._answers: dict[Hashable, tuple[float, T, Callable[[], Awaitable[T]]]] = {}
         self._inflight: dict[Hashable, asyncio.Future[T]] = {}
+        # key -> computation that was under way when the key was forgotten: its answer,
+        # read before, must not be kept.
+        self._stale: dict[Hashable, asyncio.Future[T]] = {}
 
     async def get(self, key: Hashable, make: Callable[[], Awaitable[T]]) -> T:
         """The answer kept for ``key``, or ``make()``'s, shared with concurrent callers.
@@ -85,6 +88,13 @@ class ResponseCache(Generic[T]):
                 self._start(key, kept[2])
         return kept
 
+    def forget(self, key: Hashable) -> None:
+        """Drop ``key``'s answer now; one being computed meanwhile is not kept either."""
+        self._answers.pop(key, None)
+        running = self._inflight.pop(key, None)
+        if running is not None:
+            self._stale[key] = running
+
     def pending(self, key: Hashable) -> asyncio.Future[T] | None:
         """The computation of ``key``'s answer under way, if any (await it shielded)."""
         return self._inflight.get(key)
@@ -98,6 +108,8 @@ class ResponseCache(Generic[T]):
     async def _make(self, key: Hashable, make: Callable[[], Awaitable[T]]) -> T:
         started = self._clock()
         body = await make()
+        if self._stale.get(key) is asyncio.current_task():
+            return body  # forgotten while it was computed: answer the waiting callers only
         if self.ttl_s > 0:
             if self._keep(body):
                 if len(self._answers) >= self.max_entries and key not in self._answers:
@@ -110,6 +122,8 @@ class ResponseCache(Generic[T]):
     def _done(self, key: Hashable, task: asyncio.Future[T]) -> None:
         if self._inflight.get(key) is task:
             del self._inflight[key]
+        if self._stale.get(key) is task:
+            del self._stale[key]
         if not task.cancelled():
             task.exception()  # retrieved here, so a failure nobody awaited is quiet
 

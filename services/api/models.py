@@ -92,6 +92,19 @@ class TokenIssued(BaseModel):
     tenant: str | None = None
 
 
+class TokenInfo(BaseModel):
+    """A stored token as ``GET /v1/tokens`` lists it: never its secret."""
+
+    token_id: str
+    scope: Literal["operator", "tenant"]
+    tenant: str | None = None
+    created_at: str | None = None
+    configured: bool = Field(
+        default=False,
+        description="the operator token of the API's settings (revoke it by changing them)",
+    )
+
+
 # --------------------------------------------------------------------------- fleet
 
 

@@ -210,3 +210,28 @@ def test_kept_outside_an_event_loop_answers_without_refreshing() -> None:
     clock.now += 0.9
     assert cache.kept("k") == b"first"
     assert cache.pending("k") is None
+
+
+async def test_a_forgotten_key_is_asked_again_and_an_answer_read_before_is_not_kept() -> None:
+    cache = ResponseCache(10.0)
+    answers = iter([b"before", b"slow, read before the forget", b"after"])
+    release = asyncio.Event()
+
+    async def make() -> bytes:
+        return next(answers)
+
+    async def slow() -> bytes:
+        await release.wait()
+        return next(answers)
+
+    assert await cache.get("k", make) == b"before"
+    cache.forget("k")
+    assert cache.kept("k") is None
+    waiting = asyncio.ensure_future(cache.get("k", slow))
+    await asyncio.sleep(0)
+    cache.forget("k")  # while the lookup is under way
+    release.set()
+    assert await waiting == b"slow, read before the forget"  # its caller still gets it
+    assert cache.kept("k") is None  # but it is not kept
+    assert await cache.get("k", make) == b"after"
+    assert cache.kept("k") == b"after"

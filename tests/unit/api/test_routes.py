@@ -534,3 +534,68 @@ async def test_a_burst_of_first_requests_all_succeed(
     finally:
         await asyncio.to_thread(server.stop)
         loop.close()
+
+
+def test_tokens_are_listed_without_their_secrets_and_only_to_operators(
+    client: TestClient, operator: dict[str, str], acme: dict[str, str]
+) -> None:
+    issued = client.post(
+        "/v1/tokens", json={"scope": "tenant", "tenant": "globex"}, headers=operator
+    ).json()
+    r = client.get("/v1/tokens", headers=operator)
+    assert r.status_code == 200, r.text
+    rows = {row["token_id"]: row for row in r.json()["items"]}
+    assert rows[issued["token_id"]] == {
+        "token_id": issued["token_id"],
+        "scope": "tenant",
+        "tenant": "globex",
+        "created_at": rows[issued["token_id"]]["created_at"],
+        "configured": False,
+    }
+    assert rows[issued["token_id"]]["created_at"].startswith("20")
+    assert issued["token"] not in r.text
+    assert acme["Authorization"][7:] not in r.text
+    configured = [row for row in rows.values() if row["configured"]]
+    assert [row["scope"] for row in configured] == ["operator"]
+    assert client.get("/v1/tokens", headers=acme).status_code == 403
+    page = client.get("/v1/tokens", params={"limit": 1}, headers=operator).json()
+    assert len(page["items"]) == 1
+    assert page["next_cursor"] == "1"
+
+
+def test_a_revoked_token_is_refused_at_once_and_revoking_it_again_is_404(
+    client: TestClient, operator: dict[str, str]
+) -> None:
+    issued = client.post(
+        "/v1/tokens", json={"scope": "tenant", "tenant": "acme"}, headers=operator
+    ).json()
+    bearer = {"Authorization": f"Bearer {issued['token']}"}
+    # Used twice: the second answer comes from the token cache (and the kept answers).
+    assert client.get("/v1/incidents", headers=bearer).status_code == 200
+    assert client.get("/v1/incidents", headers=bearer).status_code == 200
+    r = client.delete(f"/v1/tokens/{issued['token_id']}", headers=operator)
+    assert r.status_code == 204, r.text
+    r = client.get("/v1/incidents", headers=bearer)
+    assert r.status_code == 401
+    assert r.headers["content-type"] == "application/problem+json"
+    listed = client.get("/v1/tokens", headers=operator).json()["items"]
+    assert issued["token_id"] not in {row["token_id"] for row in listed}
+    again = client.delete(f"/v1/tokens/{issued['token_id']}", headers=operator)
+    assert again.status_code == 404
+    assert again.json()["field"] == "token_id"
+    assert issued["token_id"] in again.json()["detail"]
+
+
+def test_the_configured_operator_token_cannot_be_revoked_through_the_api(
+    client: TestClient, operator: dict[str, str], acme: dict[str, str]
+) -> None:
+    rows = client.get("/v1/tokens", headers=operator).json()["items"]
+    configured = next(row["token_id"] for row in rows if row["configured"])
+    r = client.delete(f"/v1/tokens/{configured}", headers=operator)
+    assert r.status_code == 409
+    assert "TORCHRELAY_OPERATOR_TOKEN" in r.json()["detail"]
+    assert client.get("/v1/clusters", headers=operator).status_code == 200
+    assert client.delete(f"/v1/tokens/{configured}", headers=acme).status_code == 403
+    bad = client.delete("/v1/tokens/not-an-id", headers=operator)
+    assert bad.status_code == 422
+    assert bad.json()["field"] == "token_id"
