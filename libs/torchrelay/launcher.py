@@ -376,9 +376,24 @@ class Launcher:
             return None
         return data if isinstance(data, dict) else None
 
+    def _mark(self, event: str, **fields: Any) -> None:
+        """Append a timed event to ``$TORCHRELAY_AGENT_TIMELINE/launcher-<job>.timeline``.
+
+        Like the agents' recovery timeline: when this launcher saw a member exit and when
+        its report was out, to line up with the agents' phases and the services' spans.
+        """
+        folder = os.environ.get("TORCHRELAY_AGENT_TIMELINE")
+        if not folder:
+            return
+        line = json.dumps({"t": time.time(), "event": event, **fields})
+        path = Path(folder) / f"launcher-{self.opts.job_id}.timeline"
+        with contextlib.suppress(OSError), path.open("a") as out:
+            out.write(line + "\n")
+
     async def _reap(self, child: Child) -> None:
         assert child.proc is not None
         code = await child.proc.wait()
+        self._mark("reaped", member=child.member_id, code=code)
         child.exit_code = code
         record = self._exit_record(child.member_id)
         child.outcome = classify_exit(code, record)
@@ -420,6 +435,7 @@ class Launcher:
         )
         try:
             await self.bus.publish(report, Subjects.agent_report(self.opts.job_id), retry_for=10.0)
+            self._mark("exit_reported", member=child.member_id)
         except BusError as exc:
             print(
                 f"torchrelay run: could not report {child.member_id}'s exit: {exc}", file=sys.stderr
