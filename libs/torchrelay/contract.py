@@ -205,8 +205,15 @@ CONSUMERS: dict[str, ConsumerSpec] = {
                 Subjects.MIGRATION_REQUESTED,
                 Subjects.JOB_REGISTERED,
                 Subjects.JOB_FINISHED,
-                Subjects.AGENT_REPORTS_ALL,
             ],
+        ),
+        # The agents' reports on a consumer of their own: a consumer delivers one message at
+        # a time, and a MigrationRequested must not wait behind the reports of every rank of
+        # every job (a 64-rank job's survivors all report the failed collective at once).
+        ConsumerSpec(
+            service="migration_executor",
+            durable="migration-executor-reports",
+            filter_subjects=[Subjects.AGENT_REPORTS_ALL],
         ),
         ConsumerSpec(
             service="billing",

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from torchrelay.bus import Bus, BusError, EventHandler, RedisDeduper, RpcHandler
-from torchrelay.contract import CONSUMERS, ConsumerSpec
+from torchrelay.contract import CONSUMERS, ConsumerSpec, Event
 from torchrelay.observability import (
     ServiceMetrics,
     configure_logging,
@@ -52,10 +52,18 @@ class ServiceContext:
         """This service's Redis key prefix; no other service reads under it."""
         return f"tr:{self.name}"
 
-    async def consume(self, durable: str, handler: EventHandler) -> None:
-        """Consume the contract's durable consumer ``durable`` with Redis dedupe."""
+    async def consume(
+        self,
+        durable: str,
+        handler: EventHandler,
+        wants: Callable[[Event], bool] | None = None,
+    ) -> None:
+        """Consume the contract's durable consumer ``durable`` with Redis dedupe.
+
+        ``wants``: see :meth:`Bus.consume` (events this service ignores, acked at once).
+        """
         spec: ConsumerSpec = CONSUMERS[durable]
-        await self.bus.consume(spec, handler, RedisDeduper(self.redis, self.prefix))
+        await self.bus.consume(spec, handler, RedisDeduper(self.redis, self.prefix), wants=wants)
 
     async def serve(self, verb: str, handler: RpcHandler) -> None:
         """Answer ``tr.rpc.<service>.<verb>``."""

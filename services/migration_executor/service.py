@@ -1,7 +1,9 @@
 """The migration executor service: forms generation 1 and runs every migration as a saga.
 
-Consumes ``migration-executor`` (MigrationRequested, JobRegistered, JobFinished and the
-agents' reports). Handlers only persist and kick; ``runner.SagaRunner`` performs the steps.
+Consumes ``migration-executor`` (MigrationRequested, JobRegistered, JobFinished) and, on a
+consumer of their own so that a migration request never waits behind them,
+``migration-executor-reports`` (the agents' reports). Handlers only persist and kick;
+``runner.SagaRunner`` performs the steps.
 Answers ``tr.rpc.migration_executor.saga_list`` and ``saga_get``.
 """
 
@@ -128,7 +130,7 @@ class Executor:
         if isinstance(event, MigrationRequested):
             await self.on_migration_requested(event)
         elif isinstance(event, AgentReport):
-            await self.on_report(event)
+            await self.on_report(event)  # not delivered here since reports have their own
         elif isinstance(event, JobRegistered):
             await self.store.put_job(event)
             await self.try_form(event.job_id)
@@ -166,16 +168,31 @@ class Executor:
                 "migration already has a saga", extra={"migration_id": request.migration_id}
             )
 
+    async def on_report_event(self, event: Event, delivery: Delivery) -> None:
+        """Dispatch one event of the ``migration-executor-reports`` consumer."""
+        del delivery
+        if not isinstance(event, AgentReport):
+            raise PermanentError(
+                f"migration executor's report consumer does not handle {type(event).__name__}"
+            )
+        await self.on_report(event)
+
     async def on_report(self, report: AgentReport) -> None:
+        if report.kind not in (ReportKind.JOINED, ReportKind.RESUMED):
+            return
         if report.kind == ReportKind.JOINED:
             await self.store.add_joined(report)
             await self.try_form(report.job_id)
-            await self.runner.kick_job(report.job_id)
-        elif report.kind == ReportKind.RESUMED:
+        else:
             await self.store.add_resumed(report)
             if report.generation == 1:
                 await self.store.mark_running(report.job_id)
-            await self.runner.kick_job(report.job_id)
+        if await self.store.finished(report.job_id):
+            # JobFinished arrives on the other consumer and may have been handled first: let
+            # what this report wrote expire like the rest of the job's reports.
+            await self.store.forget_reports(report.job_id)
+            return
+        await self.runner.kick_job(report.job_id)
 
     async def try_form(self, job_id: str) -> None:
         """Write generation 1 once every worker of a registered job joined (protocol §3)."""
@@ -235,6 +252,14 @@ class Executor:
         return state.model_dump(mode="json")
 
 
+def _acted_on(event: Event) -> bool:
+    """The reports the executor acts on; the others (most of them) are acked unread."""
+    return not isinstance(event, AgentReport) or event.kind in (
+        ReportKind.JOINED,
+        ReportKind.RESUMED,
+    )
+
+
 def _summary(state: SagaState) -> dict[str, Any]:
     return {
         "migration_id": state.migration_id,
@@ -259,9 +284,10 @@ async def setup(ctx: ServiceContext) -> None:
     settings = executor_settings(ctx.settings)
     executor = Executor(ctx, settings)
     await ctx.consume("migration-executor", executor.on_event)
+    await ctx.consume("migration-executor-reports", executor.on_report_event, wants=_acted_on)
     await ctx.serve("saga_list", executor.saga_list)
     await ctx.serve("saga_get", executor.saga_get)
     # The ticker's first pass resumes every saga a previous process left unfinished.
     ctx.spawn(executor.runner.tick_forever(settings.poll_s), "saga-ticker")
     ctx.closers.append(executor.runner.close)
-    ctx.readiness["consumer"] = "migration-executor"
+    ctx.readiness["consumer"] = "migration-executor, migration-executor-reports"

@@ -60,13 +60,16 @@ async def test_bad_messages_are_dead_lettered_and_services_stay_ready(
     sub = await nc.subscribe(Subjects.DLQ_ALL, cb=on_letter)
     try:
         js = nc.jetstream()
-        # Event subjects: for every durable consumer one subject it reads.
-        event_targets: dict[str, str] = {}
+        # Event subjects: for every durable consumer one subject it reads (a wildcard-only
+        # consumer, such as the executor's reports, gets its wildcard filled in).
+        event_targets: list[tuple[str, str]] = []
         for spec in CONSUMERS.values():
-            subject = next(s for s in spec.filter_subjects if "*" not in s and ">" not in s)
-            event_targets[spec.service] = subject
+            concrete = [s for s in spec.filter_subjects if "*" not in s and ">" not in s]
+            subject = concrete[0] if concrete else spec.filter_subjects[0]
+            subject = subject.replace("*", "chaos-job").replace(">", "chaos-job")
+            event_targets.append((spec.service, subject))
         sent: list[tuple[str, str, str]] = []  # (service expected to refuse, kind, token)
-        for service, subject in event_targets.items():
+        for service, subject in event_targets:
             for kind, data in garbage(token := uuid.uuid4().hex).items():
                 await js.publish(subject, data, headers={"Nats-Msg-Id": token + kind})
                 sent.append((service, kind, token))

@@ -6,6 +6,7 @@ simulated by the test (see harness.py).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,8 @@ import redis.asyncio as aioredis
 
 from torchrelay.bus import Bus
 from torchrelay.contract import (
+    EVENTS_STREAM,
+    AgentReport,
     FaultAction,
     FaultDetected,
     FaultKind,
@@ -27,11 +30,13 @@ from torchrelay.contract import (
     MigrationFailed,
     MigrationMode,
     MigrationRequested,
+    ReportKind,
     Resolution,
     Role,
     Severity,
     SpareSlot,
     Subjects,
+    make_event_id,
 )
 
 from .harness import EventTap, SimJob, SparePoolView, control_plane, incident_closed, wait_until
@@ -105,6 +110,53 @@ async def test_worker_lost_migrates_live_to_the_hot_spare(
         assert pool.quarantines() == []
         assert len(tap.of(IncidentOpened)) == 1
         assert {e.generation for e in tap.of(GenerationChanged, job_id="j1")} == {1, 2}
+
+
+async def test_a_migration_request_does_not_wait_behind_a_burst_of_agent_reports(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+) -> None:
+    job = SimJob(bus, "jhol")
+    async with control_plane(nats_url, redis_url):
+        gen1 = await job.start()
+        # A big job's survivors all report the failed collective at once; the executor
+        # only reads them (it acts on JOINED and RESUMED), each with a dedupe round trip.
+        burst = [
+            bus.publish(
+                AgentReport(
+                    event_id=make_event_id("cf", "jhol", i),
+                    source="agent",
+                    job_id="jhol",
+                    member_id=f"jhol-w{i % 4}",
+                    kind=ReportKind.COLLECTIVE_FAILED,
+                    rank=i % 4,
+                    generation=1,
+                    error="peer closed",
+                ),
+                Subjects.agent_report("jhol"),
+            )
+            for i in range(3000)
+        ]
+        await asyncio.gather(*burst)
+        await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        reports = await bus.js.consumer_info(EVENTS_STREAM.name, "migration-executor-reports")
+        # Generation 2 was out while the reports published before the fault still waited.
+        assert reports.num_pending + reports.num_ack_pending > 0, reports
+        assert gen2.ranks[1].member_id == "jhol-s0"
+        await job.resumed(gen2)
+        closed = await incident_closed(tap, "jhol")
+        assert closed.incident.resolution == Resolution.MIGRATED_LIVE
+        assert gen1.generation == 1
+        # The reports it does not act on were acked without the dedupe store's round trips;
+        # the RESUMED ones it acted on are remembered.
+        cf = make_event_id("cf", "jhol", 7)
+        assert not await redis.exists(f"tr:migration_executor:seen:{cf}")
+        resumed = make_event_id("resumed", gen2.ranks[0].member_id, 2)
+        assert await redis.exists(f"tr:migration_executor:seen:{resumed}")
 
 
 async def test_row_remap_warning_moves_at_the_boundary(
