@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from torchrelay.bus import Bus, BusError, NoResponder, RpcFailed, StaleRevision
 from torchrelay.contract import (
+    EVENTS_STREAM,
     FenceOrder,
     Generation,
     MigrationCompleted,
@@ -45,6 +47,11 @@ from .saga import Lease, Phase, SagaState, Timing
 from .store import ExecutorStore
 
 SOURCE = "migration_executor"
+# The durable consumer of the agents' reports (its own, beside the requests' one).
+REPORTS_DURABLE = "migration-executor-reports"
+# How long a saga whose job finished waits for the reports consumer to catch up before it
+# gives the migration up (only while the consumer still holds reports from before the end).
+FINISH_GRACE_S = 30.0
 # Codes with which the spare pool says "nothing to hand out" rather than "you asked wrong".
 _NO_SPARE_CODES = frozenset({"not_found", "conflict", "unavailable"})
 _CRASH_EXIT = 86
@@ -77,6 +84,7 @@ class SagaRunner:
         self.writer = GenerationWriter(bus, SOURCE)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
+        self._finish_seen: dict[str, float] = {}  # migration -> when its job's end was seen
 
     # ------------------------------------------------------------------ scheduling
 
@@ -202,6 +210,16 @@ class SagaRunner:
             if escalated is not state:
                 return escalated
         if state.phase in saga.ABORTABLE and job_finished:
+            if state.phase == Phase.AWAIT_RESUME:
+                # The job may have finished *on* the new generation: the ranks' RESUMED
+                # reports, published before the job's end, can still wait on the reports
+                # consumer while JobFinished (on the requests' consumer) was handled first.
+                moved = await self._await_resume(state, now)
+                if moved is not None:
+                    return moved
+                if not await self._reports_caught_up(state):
+                    return None
+            self._finish_seen.pop(state.migration_id, None)
             return await self._save(saga.aborted(state, now, "the job finished"))
         if saga.waiting_for(state, now):
             return None
@@ -221,6 +239,25 @@ class SagaRunner:
             Phase.FAIL: self._fail,
         }[state.phase]
         return await handler(state, now)
+
+    async def _reports_caught_up(self, state: SagaState) -> bool:
+        """Whether every report published before the job's JobFinished has been handled
+        (or ``FINISH_GRACE_S`` passed since this saga first saw the job finished)."""
+        first = self._finish_seen.setdefault(state.migration_id, time.monotonic())
+        if time.monotonic() - first > FINISH_GRACE_S:
+            return True
+        seq = await self.store.finished_seq(state.job_id)
+        if seq <= 0:
+            return True  # recorded before the sequence was kept
+        try:
+            info = await self.bus.js.consumer_info(EVENTS_STREAM.name, REPORTS_DURABLE)
+        except Exception as exc:
+            self.log.warning("cannot read the reports consumer's position: %r", exc)
+            return True  # cannot tell: do not hold the saga on it
+        floor = getattr(info.ack_floor, "stream_seq", 0) or 0
+        if floor >= seq:
+            return True
+        return not info.num_pending and not info.num_ack_pending
 
     async def _request(self, subject: str, payload: dict[str, Any]) -> Any:
         return await self.bus.request(subject, payload, timeout=self.rpc_timeout_s)

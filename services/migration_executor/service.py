@@ -34,7 +34,7 @@ from torchrelay.service import ServiceContext
 from torchrelay.settings import ServiceSettings, load_settings
 
 from . import saga
-from .runner import SOURCE, SagaRunner
+from .runner import REPORTS_DURABLE, SOURCE, SagaRunner
 from .saga import JobTerms, SagaState, Timing
 from .store import ExecutorStore
 
@@ -126,7 +126,6 @@ class Executor:
 
     async def on_event(self, event: Event, delivery: Delivery) -> None:
         """Dispatch one event of the ``migration-executor`` consumer."""
-        del delivery
         if isinstance(event, MigrationRequested):
             await self.on_migration_requested(event)
         elif isinstance(event, AgentReport):
@@ -135,7 +134,7 @@ class Executor:
             await self.store.put_job(event)
             await self.try_form(event.job_id)
         elif isinstance(event, JobFinished):
-            await self.store.mark_finished(event.job_id, event.outcome)
+            await self.store.mark_finished(event.job_id, event.outcome, delivery.stream_seq)
             await self.runner.kick_job(event.job_id)
             await self.store.forget_reports(event.job_id)
         else:
@@ -284,7 +283,7 @@ async def setup(ctx: ServiceContext) -> None:
     settings = executor_settings(ctx.settings)
     executor = Executor(ctx, settings)
     await ctx.consume("migration-executor", executor.on_event)
-    await ctx.consume("migration-executor-reports", executor.on_report_event, wants=_acted_on)
+    await ctx.consume(REPORTS_DURABLE, executor.on_report_event, wants=_acted_on)
     await ctx.serve("saga_list", executor.saga_list)
     await ctx.serve("saga_get", executor.saga_get)
     # The ticker's first pass resumes every saga a previous process left unfinished.

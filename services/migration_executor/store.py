@@ -156,8 +156,17 @@ class ExecutorStore:
         raw = await self._r.get(f"{self._p}:jobs:{job_id}")
         return None if raw is None else JobRegistered.model_validate_json(raw)
 
-    async def mark_finished(self, job_id: str, outcome: str) -> None:
-        await self._r.set(f"{self._p}:finished:{job_id}", outcome)
+    async def mark_finished(self, job_id: str, outcome: str, seq: int = 0) -> None:
+        """The job ended; ``seq`` is its JobFinished's position in the events stream."""
+        pipe = self._r.pipeline(transaction=True)
+        pipe.set(f"{self._p}:finished_seq:{job_id}", seq)
+        pipe.set(f"{self._p}:finished:{job_id}", outcome)
+        await pipe.execute()
+
+    async def finished_seq(self, job_id: str) -> int:
+        """The events-stream position of the job's JobFinished (0: not known)."""
+        raw = await self._r.get(f"{self._p}:finished_seq:{job_id}")
+        return int(raw) if raw else 0
 
     async def finished(self, job_id: str) -> bool:
         return bool(await self._r.exists(f"{self._p}:finished:{job_id}"))

@@ -159,6 +159,53 @@ async def test_a_migration_request_does_not_wait_behind_a_burst_of_agent_reports
         assert await redis.exists(f"tr:migration_executor:seen:{resumed}")
 
 
+async def test_a_job_that_finishes_on_the_new_generation_closes_live_though_its_end_came_first(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+) -> None:
+    job = SimJob(bus, "jend")
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=2), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        # The ranks resume and the job runs to its end; their RESUMED reports wait on the
+        # reports consumer behind a burst, so the executor learns of the end first.
+        await asyncio.gather(
+            *(
+                bus.publish(
+                    AgentReport(
+                        event_id=make_event_id("cf-end", i),
+                        source="agent",
+                        job_id="jend",
+                        member_id=f"jend-w{i % 4}",
+                        kind=ReportKind.COLLECTIVE_FAILED,
+                        generation=1,
+                    ),
+                    Subjects.agent_report("jend"),
+                )
+                for i in range(3000)
+            )
+        )
+        await job.resumed(gen2)
+        await bus.publish(
+            JobFinished(
+                event_id="fin-jend",
+                source="launcher",
+                job_id="jend",
+                tenant="acme",
+                outcome="succeeded",
+                exit_code=0,
+            ),
+            Subjects.JOB_FINISHED,
+        )
+        inc = (await incident_closed(tap, "jend")).incident
+        assert inc.resolution == Resolution.MIGRATED_LIVE
+        assert tap.of(MigrationFailed, job_id="jend") == []
+
+
 async def test_row_remap_warning_moves_at_the_boundary(
     bus: Bus,
     redis: aioredis.Redis,
