@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from nats.js.api import DeliverPolicy
 
@@ -34,6 +34,7 @@ from torchrelay.contract import (
     FenceOrder,
     Generation,
     IncidentClosed,
+    JobFinished,
     JobPolicy,
     JobRegistered,
     Member,
@@ -285,6 +286,43 @@ class SimJob:
                 ),
                 Subjects.agent_report(self.job_id),
             )
+
+    async def report_burst(self, n: int, tag: str = "burst") -> None:
+        """``n`` COLLECTIVE_FAILED reports at once (a big job's survivors after a failure)."""
+        await asyncio.gather(
+            *(
+                self.bus.publish(
+                    AgentReport(
+                        event_id=make_event_id(tag, self.job_id, i),
+                        source="agent",
+                        job_id=self.job_id,
+                        member_id=f"{self.job_id}-w{i % self.world_size}",
+                        kind=ReportKind.COLLECTIVE_FAILED,
+                        rank=i % self.world_size,
+                        generation=1,
+                        error="peer closed",
+                    ),
+                    Subjects.agent_report(self.job_id),
+                )
+                for i in range(n)
+            )
+        )
+
+    async def finished(
+        self, outcome: Literal["succeeded", "failed", "cancelled"], exit_code: int
+    ) -> None:
+        """The launcher says the job ended."""
+        await self.bus.publish(
+            JobFinished(
+                event_id=f"fin-{self.job_id}",
+                source="launcher",
+                job_id=self.job_id,
+                tenant=self.tenant,
+                outcome=outcome,
+                exit_code=exit_code,
+            ),
+            Subjects.JOB_FINISHED,
+        )
 
     async def start(self, timeout: float = DEADLINE_S) -> Generation:
         """Register, join every member and resume generation 1: a running job."""

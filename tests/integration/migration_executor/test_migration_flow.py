@@ -6,7 +6,6 @@ simulated by the test (see harness.py).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,21 +15,18 @@ import redis.asyncio as aioredis
 from torchrelay.bus import Bus
 from torchrelay.contract import (
     EVENTS_STREAM,
-    AgentReport,
     FaultAction,
     FaultDetected,
     FaultKind,
     GenerationChanged,
     IncidentClosed,
     IncidentOpened,
-    JobFinished,
     JobPolicy,
     Member,
     MigrationCompleted,
     MigrationFailed,
     MigrationMode,
     MigrationRequested,
-    ReportKind,
     Resolution,
     Role,
     Severity,
@@ -124,23 +120,7 @@ async def test_a_migration_request_does_not_wait_behind_a_burst_of_agent_reports
         gen1 = await job.start()
         # A big job's survivors all report the failed collective at once; the executor
         # only reads them (it acts on JOINED and RESUMED), each with a dedupe round trip.
-        burst = [
-            bus.publish(
-                AgentReport(
-                    event_id=make_event_id("cf", "jhol", i),
-                    source="agent",
-                    job_id="jhol",
-                    member_id=f"jhol-w{i % 4}",
-                    kind=ReportKind.COLLECTIVE_FAILED,
-                    rank=i % 4,
-                    generation=1,
-                    error="peer closed",
-                ),
-                Subjects.agent_report("jhol"),
-            )
-            for i in range(3000)
-        ]
-        await asyncio.gather(*burst)
+        await job.report_burst(3000, "cf")
         await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
         gen2 = await job.generation(2)
         reports = await bus.js.consumer_info(EVENTS_STREAM.name, "migration-executor-reports")
@@ -173,34 +153,9 @@ async def test_a_job_that_finishes_on_the_new_generation_closes_live_though_its_
         gen2 = await job.generation(2)
         # The ranks resume and the job runs to its end; their RESUMED reports wait on the
         # reports consumer behind a burst, so the executor learns of the end first.
-        await asyncio.gather(
-            *(
-                bus.publish(
-                    AgentReport(
-                        event_id=make_event_id("cf-end", i),
-                        source="agent",
-                        job_id="jend",
-                        member_id=f"jend-w{i % 4}",
-                        kind=ReportKind.COLLECTIVE_FAILED,
-                        generation=1,
-                    ),
-                    Subjects.agent_report("jend"),
-                )
-                for i in range(3000)
-            )
-        )
+        await job.report_burst(3000, "cf-end")
         await job.resumed(gen2)
-        await bus.publish(
-            JobFinished(
-                event_id="fin-jend",
-                source="launcher",
-                job_id="jend",
-                tenant="acme",
-                outcome="succeeded",
-                exit_code=0,
-            ),
-            Subjects.JOB_FINISHED,
-        )
+        await job.finished("succeeded", 0)
         inc = (await incident_closed(tap, "jend")).incident
         assert inc.resolution == Resolution.MIGRATED_LIVE
         assert tap.of(MigrationFailed, job_id="jend") == []
@@ -660,17 +615,7 @@ async def test_a_job_that_ends_during_the_wait_closes_its_incident_as_lost(
 
         await wait_until(waiting, what="the saga waiting for a spare")
         # The launcher gives up on the job (its own bound) before a spare comes.
-        await bus.publish(
-            JobFinished(
-                event_id="fin-j15",
-                source="launcher",
-                job_id="j15",
-                tenant="acme",
-                outcome="failed",
-                exit_code=1,
-            ),
-            Subjects.JOB_FINISHED,
-        )
+        await job.finished("failed", 1)
         inc = (await incident_closed(tap, "j15")).incident
         assert inc.resolution == Resolution.LOST
         failed = await tap.wait(MigrationFailed, job_id="j15")
