@@ -216,6 +216,7 @@ class SagaRunner:
                 # consumer while JobFinished (on the requests' consumer) was handled first.
                 moved = await self._await_resume(state, now)
                 if moved is not None:
+                    self._finish_seen.pop(state.migration_id, None)
                     return moved
                 if not await self._reports_caught_up(state):
                     return None

@@ -188,9 +188,9 @@ class Executor:
                 await self.store.mark_running(report.job_id)
         if await self.store.finished(report.job_id):
             # JobFinished arrives on the other consumer and may have been handled first: let
-            # what this report wrote expire like the rest of the job's reports.
+            # what this report wrote expire like the rest of the job's reports (a saga that
+            # waits for it still reads it, below).
             await self.store.forget_reports(report.job_id)
-            return
         await self.runner.kick_job(report.job_id)
 
     async def try_form(self, job_id: str) -> None:
