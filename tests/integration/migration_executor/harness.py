@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from nats.js.api import DeliverPolicy
 
+from services.migration_executor.runner import REPORTS_DURABLE
 from services.migration_executor.service import ExecutorSettings
 from services.migration_executor.service import setup as executor_setup
 from services.scheduler.service import setup as scheduler_setup
@@ -26,6 +27,7 @@ from services.spare_pool.service import SparePoolSettings
 from services.spare_pool.service import setup as spare_pool_setup
 from torchrelay.bus import Bus, NoResponder
 from torchrelay.contract import (
+    EVENTS_STREAM,
     AgentReport,
     Event,
     FaultAction,
@@ -307,6 +309,16 @@ class SimJob:
                 for i in range(n)
             )
         )
+
+    async def reports_drained(self, timeout: float = 120.0) -> None:
+        """Wait until the executor's reports consumer holds nothing (a burst is not left to
+        the next test, whose reports would queue behind it)."""
+
+        async def drained() -> bool:
+            info = await self.bus.js.consumer_info(EVENTS_STREAM.name, REPORTS_DURABLE)
+            return not info.num_pending and not info.num_ack_pending
+
+        await wait_until(drained, timeout, "the executor's reports consumer to drain")
 
     async def finished(
         self, outcome: Literal["succeeded", "failed", "cancelled"], exit_code: int

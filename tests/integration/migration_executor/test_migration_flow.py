@@ -137,6 +137,7 @@ async def test_a_migration_request_does_not_wait_behind_a_burst_of_agent_reports
         assert not await redis.exists(f"tr:migration_executor:seen:{cf}")
         resumed = make_event_id("resumed", gen2.ranks[0].member_id, 2)
         assert await redis.exists(f"tr:migration_executor:seen:{resumed}")
+        await job.reports_drained()
 
 
 async def test_a_job_that_finishes_on_the_new_generation_closes_live_though_its_end_came_first(
@@ -159,6 +160,7 @@ async def test_a_job_that_finishes_on_the_new_generation_closes_live_though_its_
         inc = (await incident_closed(tap, "jend")).incident
         assert inc.resolution == Resolution.MIGRATED_LIVE
         assert tap.of(MigrationFailed, job_id="jend") == []
+        await job.reports_drained()
 
 
 async def test_row_remap_warning_moves_at_the_boundary(
