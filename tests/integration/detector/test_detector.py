@@ -506,13 +506,16 @@ async def test_a_live_rank_without_progress_is_hung(
         try:
             found = await faults.wait_for(is_kind(FaultKind.WORKER_HANG), timeout=15)
         finally:
+            # What was raised while both ranks still beat: once the beats stop, their silence
+            # is a worker_lost the detector may legitimately raise before it is shut down.
+            while_beating = [x.kind for x in faults.items]
             stop.set()
             await task
     f = found[0]
     assert (f.rank, f.member_id, f.action) == (1, members[1], FaultAction.MIGRATE_NOW)
     assert f.evidence["step"] == 5
     assert f.evidence["bound_s"] == 1.0  # the floor: this job's steps take 50 ms
-    assert [x.kind for x in faults.items] == [FaultKind.WORKER_HANG]
+    assert while_beating == [FaultKind.WORKER_HANG]
 
 
 async def test_a_replica_taking_over_does_not_repeat_an_ongoing_episode(
