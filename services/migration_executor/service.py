@@ -129,7 +129,7 @@ class Executor:
         if isinstance(event, MigrationRequested):
             await self.on_migration_requested(event)
         elif isinstance(event, AgentReport):
-            await self.on_report(event)  # not delivered here since reports have their own
+            await self.on_report(event)  # left on this durable from before reports had their own
         elif isinstance(event, JobRegistered):
             await self.store.put_job(event)
             await self.try_form(event.job_id)

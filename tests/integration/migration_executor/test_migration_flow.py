@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from services.migration_executor.runner import REPORTS_DURABLE
 from torchrelay.bus import Bus
 from torchrelay.contract import (
     EVENTS_STREAM,
@@ -123,7 +124,7 @@ async def test_a_migration_request_does_not_wait_behind_a_burst_of_agent_reports
         await job.report_burst(3000, "cf")
         await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
         gen2 = await job.generation(2)
-        reports = await bus.js.consumer_info(EVENTS_STREAM.name, "migration-executor-reports")
+        reports = await bus.js.consumer_info(EVENTS_STREAM.name, REPORTS_DURABLE)
         # Generation 2 was out while the reports published before the fault still waited.
         assert reports.num_pending + reports.num_ack_pending > 0, reports
         assert gen2.ranks[1].member_id == "jhol-s0"
