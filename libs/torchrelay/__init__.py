@@ -15,7 +15,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def init(**kwargs: Any) -> Job:
-    """Join the job this process was launched into (a spare blocks until it takes a rank)."""
+    """Join the job this process was launched into (a spare blocks until it takes a rank).
+
+    ``warm_up=`` (a callable) is run once by a hot spare before it waits; see
+    :func:`torchrelay.agent.init` for it and the other keyword arguments.
+    """
     from torchrelay.agent import init as _init
 
     return _init(**kwargs)

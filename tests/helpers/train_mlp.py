@@ -9,6 +9,10 @@ Environment knobs (all optional):
   TR_RAISE_AT      "RANK:STEP": that rank raises RuntimeError at that step (application error)
   TR_DIE_ON_JOIN   a member id that SIGKILLs itself right after init() (a spare dying while
                    it joins)
+  TR_WARM_UP       a member id whose warm_up (a spare's, see torchrelay.init) trains a step
+                   on its own and leaves the gradients behind, then writes
+                   <TORCHRELAY_RUN_DIR>/<member_id>.warmed
+  TR_WARM_UP_RAISE a member id whose warm_up raises
 At the end each rank writes <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of
 its tracked state and the perf_counter time of each of its commits.
 """
@@ -29,17 +33,15 @@ torch.set_num_threads(1)
 
 import torchrelay  # noqa: E402 - after the thread setting, like a user script would
 
-job = torchrelay.init()
-member = os.environ["TORCHRELAY_MEMBER_ID"]
-if os.environ.get("TR_DIE_ON_JOIN") == member:
-    os.kill(os.getpid(), signal.SIGKILL)
-
 steps = int(os.environ.get("TR_STEPS", "30"))
 width = int(os.environ.get("TR_WIDTH", "32"))
 depth = int(os.environ.get("TR_DEPTH", "2"))
 pause = float(os.environ.get("TR_STEP_SLEEP_S", "0.02"))
 raise_at = os.environ.get("TR_RAISE_AT")
+member = os.environ["TORCHRELAY_MEMBER_ID"]
+run_dir = Path(os.environ["TORCHRELAY_RUN_DIR"])
 
+# Built before init(), as README recommends: a hot spare has them ready when it takes a rank.
 torch.manual_seed(1234)
 layers: list[nn.Module] = [nn.Linear(16, width), nn.ReLU(), nn.Dropout(0.1)]
 for _ in range(depth - 1):
@@ -48,6 +50,27 @@ layers.append(nn.Linear(width, 1))
 model = nn.Sequential(*layers)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
+
+
+def warm_up() -> None:
+    if os.environ.get("TR_WARM_UP_RAISE") == member:
+        raise RuntimeError("warm-up data is missing")
+    if os.environ.get("TR_WARM_UP") != member:
+        return
+    # A step on made-up data that changes the model, the optimizer and the scheduler and,
+    # on purpose, leaves its gradients: the agent must drop them when the state arrives.
+    for _ in range(2):
+        nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1)).backward()
+        optimizer.step()
+        scheduler.step()
+    nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1)).backward()
+    (run_dir / f"{member}.warmed").write_text("1")
+
+
+job = torchrelay.init(warm_up=warm_up)
+if os.environ.get("TR_DIE_ON_JOIN") == member:
+    os.kill(os.getpid(), signal.SIGKILL)
+
 job.track(model=model, optimizer=optimizer, scheduler=scheduler)
 
 gen = torch.Generator().manual_seed(99)
@@ -69,7 +92,7 @@ for step, (xb, yb) in job.batches(data, batch_size=8, max_steps=steps, seed=7):
     optimizer.zero_grad()
 
 digest = job.state_digest()
-out = Path(os.environ["TORCHRELAY_RUN_DIR"]) / f"{member}.digest.json"
+out = run_dir / f"{member}.digest.json"
 out.write_text(
     json.dumps(
         {

@@ -175,6 +175,7 @@ class Job:
         self._lost_steps = 0
         self._resume: dict[str, Any] | None = None
         self._pending: _PendingState | None = None  # state of the last sync still arriving
+        self._flat: torch.Tensor | None = None  # the all-reduce buffer, kept between steps
         self._last_step_hb = 0.0
         self._step_time: float | None = None
         self._step_started: float | None = None
@@ -430,6 +431,7 @@ class Job:
             for work in works[:count]:
                 self._run(work, pg, stale)
             load_entries(skeleton, large, self._tracked, early)
+            self._drop_gradients()
             self._committed = best
             self._pending = _PendingState(gen, pg, skeleton, large, works[count:], early)
             if count == len(works):
@@ -608,13 +610,15 @@ class Job:
                 )
             # The all-reduce runs on a flat copy: the parameters' own gradients stay intact
             # whatever a failed collective leaves in ``buf``.
-            buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0)
+            buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0, self._flat)
+            self._flat = buf
             try:
                 self._run(pg.allreduce([buf], dist.AllreduceOptions()), pg, self._stale(gen))
                 break
             except Abandoned:
-                pass
+                self._flat = None  # the abandoned all-reduce may still write into it
             except CollectiveError as exc:
+                self._flat = None
                 self._collective_failed(gen, self.rank, exc)
             if not self._keeps_gradients(gen):
                 self._discard(params)
@@ -725,6 +729,33 @@ class Job:
         return state_digest(self._tracked, self._committed)
 
     # ------------------------------------------------------------------ reports, exits
+
+    def _run_warm_up(self, warm_up: Callable[[], object]) -> None:
+        """Run a spare's warm-up (see :func:`init`); a failure is reported, never fatal."""
+        started = time.perf_counter()
+        try:
+            warm_up()
+        except Exception as exc:
+            print(
+                f"torchrelay: {self.member_id}: warm_up raised {type(exc).__name__}: {exc}; "
+                "the spare serves without warm-up",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._mark("warm_up_failed", error=repr(exc))
+            return
+        self._mark("warmed_up", ms=round(1000 * (time.perf_counter() - started), 1))
+
+    def _drop_gradients(self) -> None:
+        """Forget the gradients of every tracked module's and optimizer's parameters.
+
+        Called when this rank's state is replaced by a received one: gradients computed on
+        the old state (a spare's warm-up, a step that will be yielded again) must not be
+        accumulated into the first backward on the new one.
+        """
+        for obj in self._tracked.values():
+            if isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
 
     def _mark(self, event: str, **fields: Any) -> None:
         """Append a timed event to ``$TORCHRELAY_AGENT_TIMELINE/<member>.timeline``, if set.
@@ -877,16 +908,34 @@ def _hard_exit(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _flatten(params: list[torch.nn.Parameter], device: torch.device, flag: float) -> torch.Tensor:
-    """One buffer of every gradient (zeros where a parameter has none) plus the flag."""
+def _flatten(
+    params: list[torch.nn.Parameter],
+    device: torch.device,
+    flag: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One buffer of every gradient (zeros where a parameter has none) plus the flag.
+
+    Written into ``out`` when it has the right size, dtype and device (the step's buffer is
+    kept from one step to the next: a fresh one of the model's size each step costs page
+    faults that, on a loaded host, took longer than the copy itself), else into a new one.
+    """
     dtypes = {p.dtype for p in params}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    parts = [
-        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-        for p in params
-    ]
-    parts.append(torch.tensor([flag], dtype=dtype, device=device))
-    return torch.cat(parts).to(device)
+    total = sum(p.numel() for p in params) + 1
+    if out is None or out.numel() != total or out.dtype != dtype or out.device != device:
+        out = torch.empty(total, dtype=dtype, device=device)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        part = out[offset : offset + n]
+        if p.grad is None:
+            part.zero_()
+        else:
+            part.copy_(p.grad.reshape(-1))
+        offset += n
+    out[-1] = flag
+    return out
 
 
 def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
@@ -901,20 +950,33 @@ def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def init(**kwargs: Any) -> Job:
+def init(warm_up: Callable[[], object] | None = None, **kwargs: Any) -> Job:
     """Join the job this process was launched into; returns once a generation names it.
 
     A worker returns when the job's first generation is formed; a hot spare
     (``TORCHRELAY_ROLE=spare``) blocks here until a generation gives it a rank.
+
+    Args:
+        warm_up: called once by a hot spare, before it waits, to do what its first step
+            would otherwise do cold while the survivors wait for it: typically one forward,
+            backward and optimizer step on any batch, then ``zero_grad()`` (on a GPU: CUDA
+            and cuBLAS/cuDNN set-up, autotuning, ``torch.compile``). It may change the
+            tracked state freely: the spare receives the whole state from a survivor before
+            its first step, and its gradients are dropped then. Workers never call it. If it
+            raises, the spare logs why and serves without warm-up.
 
     Keyword Args:
         collective_timeout_s: how long a collective may hang before it counts as failed
             (default ``TORCHRELAY_COLLECTIVE_TIMEOUT_S`` or 60).
         connect_timeout_s: how long to retry the first NATS connection (default 30).
     """
+    if warm_up is not None and not callable(warm_up):
+        raise TypeError(f"torchrelay.init(warm_up=...) needs a callable, got {warm_up!r}")
     job = Job(**kwargs)
     if job.role == Role.SPARE:
         _warm_up()
+        if warm_up is not None:
+            job._run_warm_up(warm_up)
     job._named_generation()
     return job
 

@@ -23,7 +23,17 @@ def main() -> None:
     # rank, so whatever it builds before is ready, and off the survivors' stall, when it does.
     model = build_model()
     optimizer = build_optimizer(model)
-    job = torchrelay.init()  # a spare blocks here until it takes a rank
+
+    def warm_up() -> None:
+        # Run by a hot spare before it waits: its first forward, backward and optimizer step
+        # (cold: allocations, first-call paths) are then not on the survivors' stall. The
+        # state it changes is replaced by a survivor's when the spare takes a rank.
+        x, y = batch(0, 0)
+        nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+
+    job = torchrelay.init(warm_up=warm_up)  # a spare blocks here until it takes a rank
     job.track(model=model, optimizer=optimizer)
     log: StepLog | None = None
     # job.batches drives the step index; the data itself is the bench's step-indexed batch

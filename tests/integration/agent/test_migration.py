@@ -84,6 +84,35 @@ async def test_sigkill_mid_step_hot_spare_takes_the_rank(runner: JobRunner) -> N
     assert all(r.stall_ms is not None for r in resumed)
 
 
+async def test_a_spare_that_warmed_up_takes_the_rank_bitwise(runner: JobRunner) -> None:
+    # s0's warm-up trains on made-up data and leaves its gradients; s1's warm-up raises.
+    # Both serve: the first failure goes to s0, the second to s1, and the final state is
+    # still the fault-free run's.
+    ref = await reference(runner)
+    job, ex = await runner.start(
+        "warm",
+        nproc=NPROC,
+        spares=2,
+        env={**ENV, "TR_WARM_UP": "{job}-s0", "TR_WARM_UP_RAISE": "{job}-s1"},
+    )
+    first = f"{job.job_id}-w1"
+    await until_step(ex, first, KILL_AT)
+    os.kill(job.pid_of(first), signal.SIGKILL)
+    await ex.wait_for(
+        "generation 2 running", lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC
+    )
+    second = f"{job.job_id}-w2"
+    await until_step(ex, second, ex.step_of(second) + 3)
+    os.kill(job.pid_of(second), signal.SIGKILL)
+    await finish(job, ref)
+    assert ex.generations[1].member_rank(f"{job.job_id}-s0") == 1
+    assert ex.generations[2].member_rank(f"{job.job_id}-s1") == 2
+    assert (job.run_dir / f"{job.job_id}-s0.warmed").exists()
+    assert f"{job.job_id}-s1: warm_up raised RuntimeError: warm-up data is missing" in (
+        job.output()
+    )
+
+
 async def test_proactive_replacement_at_a_step_boundary(runner: JobRunner) -> None:
     ref = await reference(runner)
     job, ex = await runner.start("proactive", nproc=NPROC, spares=1, env=ENV)

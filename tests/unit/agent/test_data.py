@@ -52,6 +52,13 @@ def test_step_seeding_reproduces_dropout() -> None:
     assert not torch.equal(a, b)
 
 
+def test_step_seeding_without_an_accelerator_matches_torch_manual_seed() -> None:
+    seed_step(5, 7, 2)
+    ours = torch.rand(8)
+    torch.manual_seed(derive_seed(5, 7, 2))
+    assert torch.equal(torch.rand(8), ours)
+
+
 def test_batches_are_collated() -> None:
     data = [(torch.tensor([float(i)]), i) for i in range(10)]
     x, y = make_batch(data, [3, 5], None)

@@ -106,3 +106,22 @@ def test_gradients_flatten_with_the_flag_and_come_back_in_place() -> None:
     _unflatten(flat[:-1], params)
     for p, g in zip(params, grads, strict=True):
         assert torch.equal(p.grad, g * 2)  # type: ignore[arg-type]
+
+
+def test_the_step_buffer_is_reused_when_it_fits_and_replaced_when_it_does_not() -> None:
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    first = _flatten(params, torch.device("cpu"), 0.0)
+    expected = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    assert torch.equal(first[:-1], expected)
+    model.zero_grad()  # gradients set to None: their slots must read zero, not last step's
+    again = _flatten(params, torch.device("cpu"), 1.0, first)
+    assert again.data_ptr() == first.data_ptr()
+    assert torch.count_nonzero(again[:-1]).item() == 0
+    assert again[-1].item() == 1.0
+    other = torch.nn.Linear(4, 2)
+    other(torch.randn(5, 4)).sum().backward()
+    bigger = _flatten(list(other.parameters()), torch.device("cpu"), 0.0, first)
+    assert bigger.data_ptr() != first.data_ptr()
+    assert bigger.numel() == sum(p.numel() for p in other.parameters()) + 1
