@@ -41,13 +41,13 @@ from torchrelay.agent._group import (
 )
 from torchrelay.agent._net import NetThread
 from torchrelay.agent._state import (
+    ReceiveTargets,
     Stateful,
     as_bytes,
-    empty_for,
     load_entries,
     pack_state,
     read_header,
-    slots,
+    receive_targets,
     split_by_arrival,
     state_digest,
 )
@@ -130,6 +130,7 @@ class _PendingState:
     large: list[torch.Tensor]
     works: list[Any]
     loaded: list[str]
+    targets: ReceiveTargets
 
 
 class Job:
@@ -334,7 +335,7 @@ class Job:
         """Join the newest generation naming us and bring every rank to the same state."""
         while True:
             gen = self._named_generation()
-            self._pending = None  # state still arriving in a group that is being left
+            self._drop_pending()  # state still arriving in a group that is being left
             if self._pg is not None:
                 self.backend.abandon(self._pg)
                 self._pg = None
@@ -424,16 +425,21 @@ class Job:
                 raise AgentError(f"recovery source sent step {skeleton['step']}, expected {best}")
             early, count = split_by_arrival(skeleton, self._tracked)
             self._has_state = False  # until all of it arrived (see _settle_state)
-            large = [empty_for(slot, dev) for slot in slots(skeleton)]
+            targets = receive_targets(skeleton, self._tracked, dev)
+            large = targets.tensors
             works = [pg.recv([as_bytes(t)], source, tag) for t in large]
             # The modules come first: load them and let the step's forward and backward run
             # while the rest (optimizer state) still arrives; step() waits for it.
-            for work in works[:count]:
-                self._run(work, pg, stale)
+            try:
+                for work in works[:count]:
+                    self._run(work, pg, stale)
+            except (Abandoned, CollectiveError):
+                _abandon_receive(works, targets)
+                raise
             load_entries(skeleton, large, self._tracked, early)
             self._drop_gradients()
             self._committed = best
-            self._pending = _PendingState(gen, pg, skeleton, large, works[count:], early)
+            self._pending = _PendingState(gen, pg, skeleton, large, works[count:], early, targets)
             if count == len(works):
                 self._settle_state()
             return int(header.numel()) + sum(t.numel() * t.element_size() for t in large)
@@ -451,13 +457,23 @@ class Job:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        for work in pending.works:
-            self._run(work, pending.pg, self._stale(pending.gen))
+        try:
+            for work in pending.works:
+                self._run(work, pending.pg, self._stale(pending.gen))
+        except (Abandoned, CollectiveError):
+            _abandon_receive(pending.works, pending.targets)
+            raise
         late = [name for name in self._tracked if name not in pending.loaded]
         load_entries(pending.skeleton, pending.large, self._tracked, late)
         self._has_state = True
         if pending.works:
             self._mark("state_settled", generation=pending.gen.generation)
+
+    def _drop_pending(self) -> None:
+        """Give up a state still arriving (its group is being left)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.works:
+            _abandon_receive(pending.works, pending.targets)
 
     def _run(self, work: Any, pg: Any, stale: Callable[[], bool]) -> None:
         """Wait for ``work``; on Abandoned/CollectiveError the group is given up for good."""
@@ -899,6 +915,13 @@ def _status_code(status: object) -> int:
     if isinstance(status, int):
         return status
     return 1
+
+
+def _abandon_receive(works: list[Any], targets: ReceiveTargets) -> None:
+    """Leave a state transfer: what its pending receives may still write stays allocated
+    (in the graveyard), and the live state stops using any of it."""
+    GRAVEYARD.keep(*works, *targets.tensors)
+    targets.release_live()
 
 
 def _hard_exit(code: int) -> NoReturn:

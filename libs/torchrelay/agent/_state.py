@@ -8,11 +8,12 @@ the all-reduce spreads the difference to every rank.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -152,6 +153,107 @@ def slots(skeleton: Any) -> list[_Slot]:
 def empty_for(slot: _Slot, device: torch.device) -> torch.Tensor:
     """A tensor to receive ``slot`` into (receive into its flat ``uint8`` view)."""
     return torch.empty(slot.shape, dtype=slot.dtype, device=device)
+
+
+@dataclass
+class ReceiveTargets:
+    """Where each tensor a header announces is received, in sending order.
+
+    ``live`` undoes the use of the receiver's own tensors: each call gives one of them a
+    fresh storage in its owner (module parameter or buffer, optimizer state entry). A
+    receive that is abandoned may still be written into later by the abandoned group, so
+    the live state must stop using that memory before anything else is received.
+    """
+
+    tensors: list[torch.Tensor]
+    live: list[Callable[[], None]] = field(default_factory=list)
+
+    def release_live(self) -> None:
+        """Detach the live state from every tensor a pending receive may still write."""
+        undo, self.live = self.live, []
+        for fresh in undo:
+            fresh()
+
+
+def _fresh_data(t: torch.Tensor) -> None:
+    t.data = torch.empty_like(t)
+
+
+def _fresh_entry(state: dict[Any, Any], key: Any) -> None:
+    state[key] = torch.empty_like(state[key])
+
+
+def _optimizer_params(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """The parameter of each index in ``opt.state_dict()["state"]`` (torch's numbering)."""
+    by_id: dict[int, tuple[int, torch.Tensor]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                by_id[id(p)] = (len(by_id), p)
+    return dict(by_id.values())
+
+
+def receive_targets(
+    skeleton: Any, tracked: Mapping[str, Stateful], device: torch.device
+) -> ReceiveTargets:
+    """Receive each announced tensor straight into the matching tensor this rank holds.
+
+    A module's parameters and buffers and an optimizer's state tensors (a hot spare that
+    warmed up has them) already have their memory mapped: receiving into them saves the
+    page faults of fresh buffers, which on a loaded host took as long as the copy itself,
+    and the copy from the buffers into the state. A tensor matches when its name, dtype,
+    shape and device are the announced ones and it is contiguous; the others (and those of
+    other tracked objects) are received into fresh buffers. Nothing is loaded here:
+    :func:`load_entries` still loads every received tensor, which for a reused one costs
+    nothing.
+    """
+    found = slots(skeleton)
+    chosen: dict[int, torch.Tensor] = {}
+    live: list[Callable[[], None]] = []
+    used: set[int] = set()
+
+    def take(slot: Any, t: Any, undo: Callable[[], None]) -> None:
+        if not (
+            isinstance(slot, _Slot)
+            and isinstance(t, torch.Tensor)
+            and _is_dense(t)
+            and t.device == device
+            and (t.device.type == "cpu") == slot.on_cpu
+            and t.dtype == slot.dtype
+            and tuple(t.shape) == slot.shape
+            and t.is_contiguous()
+            and t.numel() > 0
+            and t.data_ptr() not in used  # tied weights: each storage is received once
+        ):
+            return
+        used.add(t.data_ptr())
+        chosen[slot.index] = t.detach()
+        live.append(undo)
+
+    state = skeleton["state"]
+    for name, obj in tracked.items():
+        sent = state.get(name)
+        if not isinstance(sent, Mapping):
+            continue
+        if isinstance(obj, torch.nn.Module):
+            own = obj.state_dict(keep_vars=True)
+            for key, slot in sent.items():
+                t = own.get(key)
+                if isinstance(t, torch.Tensor):
+                    take(slot, t, functools.partial(_fresh_data, t))
+        elif isinstance(obj, torch.optim.Optimizer) and isinstance(sent.get("state"), Mapping):
+            params = _optimizer_params(obj)
+            for index, entry in sent["state"].items():
+                param = params.get(index)
+                own_entry = obj.state.get(param) if param is not None else None
+                if not isinstance(entry, Mapping) or not isinstance(own_entry, dict):
+                    continue
+                for key, slot in entry.items():
+                    take(slot, own_entry.get(key), functools.partial(_fresh_entry, own_entry, key))
+    tensors = [
+        chosen[slot.index] if slot.index in chosen else empty_for(slot, device) for slot in found
+    ]
+    return ReceiveTargets(tensors, live)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

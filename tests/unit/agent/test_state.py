@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from torchrelay.agent._state import (
+    INLINE_MAX_BYTES,
     forward_first,
     load_entries,
     pack_state,
     read_header,
+    receive_targets,
     slots,
     split_by_arrival,
     state_digest,
@@ -148,3 +150,97 @@ def test_without_modules_nothing_is_needed_before_the_step() -> None:
     assert early == []
     assert count == 0
     assert len(large) == 4  # the moments of the two weights, all loaded at the step
+
+
+def sized(seed: int, steps: int, *, width: int = 256, tied: bool = False) -> dict[str, object]:
+    """A model whose weights and Adam moments are large enough to travel as slots."""
+    torch.manual_seed(seed)
+    first, last = nn.Linear(128, width), nn.Linear(width, 128)
+    model = nn.Sequential(first, nn.ReLU(), last)
+    if tied:
+        last.weight = nn.Parameter(first.weight.t().contiguous())
+        model.register_buffer("mirror", last.weight.detach())  # the same storage, twice
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(3, 128)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"model": model, "optimizer": opt}
+
+
+def receive(source: dict[str, object], target: dict[str, object]) -> list[torch.Tensor]:
+    """What a rank without state does in a sync, the wire replaced by a copy."""
+    packed = pack_state(source, 9)  # type: ignore[arg-type]
+    skeleton = read_header(packed.header.clone())
+    targets = receive_targets(skeleton, target, torch.device("cpu"))  # type: ignore[arg-type]
+    for into, data in zip(targets.tensors, packed.large, strict=True):
+        into.reshape(-1).view(torch.uint8).copy_(data)
+    assert load_entries(skeleton, targets.tensors, target) == 9  # type: ignore[arg-type]
+    return targets.tensors
+
+
+def slotted(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() > INLINE_MAX_BYTES  # travels apart from the header
+
+
+def live_tensors(objs: dict[str, object]) -> set[int]:
+    """Where the large tensors of the model and the optimizer state live."""
+    model, opt = objs["model"], objs["optimizer"]
+    ptrs = {t.data_ptr() for t in model.state_dict().values() if slotted(t)}  # type: ignore[attr-defined]
+    for entry in opt.state.values():  # type: ignore[attr-defined]
+        ptrs |= {t.data_ptr() for t in entry.values() if slotted(t)}
+    return ptrs
+
+
+def test_a_warmed_up_spare_receives_into_its_own_tensors_and_ends_bit_equal() -> None:
+    source, spare = sized(1, 3), sized(2, 1)  # the spare's own step made its Adam moments
+    before = live_tensors(spare)
+    received = receive(source, spare)
+    assert received
+    assert {t.data_ptr() for t in received} <= before  # nothing fresh was allocated
+    assert live_tensors(spare) == before  # and the state still lives where it lived
+    assert state_digest(spare) == state_digest(source)  # type: ignore[arg-type]
+
+
+def test_a_cold_spare_reuses_its_weights_only_and_mismatched_shapes_get_fresh_buffers() -> None:
+    source = sized(1, 3)
+    cold = sized(2, 0)  # no optimizer state yet: the moments need buffers of their own
+    weights = live_tensors(cold)
+    received = {t.data_ptr() for t in receive(source, cold)}
+    assert weights <= received
+    assert received - weights  # the moments
+    assert state_digest(cold) == state_digest(source)  # type: ignore[arg-type]
+
+    # Another width: the announced shapes match nothing, everything is received fresh, and
+    # loading then reports the mismatch (the scripts differ).
+    other = sized(3, 1, width=384)
+    skeleton = read_header(pack_state(source, 9).header.clone())  # type: ignore[arg-type]
+    targets = receive_targets(skeleton, other, torch.device("cpu"))  # type: ignore[arg-type]
+    assert not ({t.data_ptr() for t in targets.tensors} & live_tensors(other))
+    assert targets.live == []
+
+
+def test_an_abandoned_receive_leaves_the_live_state_out_of_its_buffers() -> None:
+    source, spare = sized(1, 3), sized(2, 1)
+    skeleton = read_header(pack_state(source, 9).header.clone())  # type: ignore[arg-type]
+    targets = receive_targets(skeleton, spare, torch.device("cpu"))  # type: ignore[arg-type]
+    assert targets.live
+    targets.release_live()
+    # A late write by the abandoned group lands in memory the state no longer uses.
+    written = {t.data_ptr() for t in targets.tensors}
+    assert not (written & live_tensors(spare))
+    for t in targets.tensors:
+        t.fill_(7.0)
+    model = spare["model"]
+    assert all(not torch.all(t == 7.0) for t in model.state_dict().values())  # type: ignore[attr-defined]
+    # The next sync receives again, into the new storage, and ends bit-equal.
+    receive(source, spare)
+    assert state_digest(spare) == state_digest(source)  # type: ignore[arg-type]
+
+
+def test_tied_storage_is_received_into_once() -> None:
+    source, spare = sized(1, 2, tied=True), sized(2, 1, tied=True)
+    skeleton = read_header(pack_state(source, 9).header.clone())  # type: ignore[arg-type]
+    targets = receive_targets(skeleton, spare, torch.device("cpu"))  # type: ignore[arg-type]
+    ptrs = [t.data_ptr() for t in targets.tensors]
+    assert len(ptrs) == len(set(ptrs))
