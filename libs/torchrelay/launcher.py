@@ -60,6 +60,20 @@ GIVE_UP_MARGIN_S = 30.0  # protocol §11: a lost rank not replaced in wait_timeo
 STOP_GRACE_S = 10.0
 
 
+# Environment every worker and spare gets unless the user set the variable (to anything).
+# THP_MEM_ALLOC_ENABLE=1: torch puts CPU allocations of 2 MB and more on transparent huge
+# pages. A SIGKILLed rank is seen dead (by waitpid here, by its peers' sockets) only once
+# the kernel has unmapped its memory: a process holding 400 MB of tensors took 69-80 ms to
+# die here with 4 KB pages, 31-42 ms with huge pages; first touches of a fresh state buffer
+# (28.5 MB) took 7-12 ms instead of 18-22 ms.
+PROCESS_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def with_process_defaults(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :data:`PROCESS_DEFAULTS` added where it does not set them."""
+    return {**PROCESS_DEFAULTS, **env}
+
+
 class LauncherError(RuntimeError):
     """The job cannot be launched; the message says what to do."""
 
@@ -226,6 +240,7 @@ class Launcher:
     def _env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.opts.extra_env)
+        env = with_process_defaults(env)
         env.update(
             {
                 "TORCHRELAY_JOB_ID": self.opts.job_id,

@@ -13,6 +13,9 @@ pass of step ``KILL_STEP``. Each system runs once without the fault and once wit
 - ``checkpoint_restart``: ``torchrun --max-restarts``; rank 0 checkpoints to local disk every
   ``CKPT_EVERY`` steps; a dead rank makes torchrun restart every worker from the checkpoint.
 
+Every arm's processes run with ``THP_MEM_ALLOC_ENABLE=1`` (what ``torchrelay run`` gives its
+processes by default), so that the arms differ in how they recover, not in their allocator.
+
 Figures per system: ``stall_s`` (largest gap between consecutive step commits on a surviving
 rank), ``lost_steps`` (step computations a survivor began and had to redo), ``wall_s`` (wall
 time of the faulty run, start to finish), ``equal_final`` (sha256 of model + optimizer state
@@ -110,6 +113,9 @@ def _env(log_dir: Path, fault: bool) -> dict[str, str]:
         BENCH_KILL_STEP=str(KILL_STEP),
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
+        # What `torchrelay run` gives its processes by default (launcher.PROCESS_DEFAULTS),
+        # given to every arm alike so that the comparison is of recovery, not of allocators.
+        THP_MEM_ALLOC_ENABLE="1",
     )
     return env
 

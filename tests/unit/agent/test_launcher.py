@@ -17,6 +17,7 @@ from torchrelay.launcher import (
     describe_exit,
     resolve_nats_url,
     slot_of,
+    with_process_defaults,
 )
 
 
@@ -31,6 +32,11 @@ def test_exit_codes_say_what_happened() -> None:
     assert classify_exit(-9, {"kind": "finished", "step": 99}) == "finished"
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(3) == "exit code 3"
+
+
+def test_children_get_huge_page_allocations_unless_the_user_chose() -> None:
+    assert with_process_defaults({"A": "1"}) == {"A": "1", "THP_MEM_ALLOC_ENABLE": "1"}
+    assert with_process_defaults({"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_slots_spread_round_robin_over_nodes() -> None:
