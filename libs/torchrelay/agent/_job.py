@@ -986,7 +986,9 @@ def init(warm_up: Callable[[], object] | None = None, **kwargs: Any) -> Job:
             and cuBLAS/cuDNN set-up, autotuning, ``torch.compile``). It may change the
             tracked state freely: the spare receives the whole state from a survivor before
             its first step, and its gradients are dropped then. Workers never call it. If it
-            raises, the spare logs why and serves without warm-up.
+            raises, the spare logs why and serves without warm-up. The spare is registered
+            (and may be chosen) while it warms up: a failure meanwhile waits for the warm-up
+            to end, so keep it to about one step.
 
     Keyword Args:
         collective_timeout_s: how long a collective may hang before it counts as failed
