@@ -5,10 +5,12 @@ committed steps and each job's timeline. Only the scheduler writes under ``tr:sc
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from torchrelay.contract import GenerationChanged, JobFinished, JobRegistered, Role
 
@@ -92,7 +94,6 @@ class JobRegistry:
 
     async def apply_generation(self, event: GenerationChanged) -> dict[str, Any] | None:
         """Move the job's placements to a newer generation (older ones are only kept)."""
-        job = await self.get(event.job_id)
         ranks = [
             {"rank": a.rank, "member_id": a.member_id, "node": a.node, "gpu": a.gpu, "pid": None}
             for a in event.ranks
@@ -130,28 +131,36 @@ class JobRegistry:
                 ],
             },
         )
-        if job is None or event.generation <= int(job["generation"]):
-            return job
-        pids = {m["member_id"]: m.get("pid") for m in job.get("members", [])}
-        for r in ranks:
-            r["pid"] = pids.get(r["member_id"])
-        job["generation"] = event.generation
-        job["ranks"] = ranks
-        await self._index_nodes(event.job_id, job["cluster"], ranks)
-        job["world_size"] = len(ranks)
-        if job["state"] not in FINISHED_STATES:
-            job["state"] = "running"
-        await self._r.set(self._key(event.job_id), json.dumps(job))
-        return job
+        applied = False
+
+        def advance(job: dict[str, Any]) -> bool:
+            nonlocal applied
+            applied = event.generation > int(job["generation"])
+            if not applied:
+                return False
+            pids = {m["member_id"]: m.get("pid") for m in job.get("members", [])}
+            job["generation"] = event.generation
+            job["ranks"] = [{**r, "pid": pids.get(r["member_id"])} for r in ranks]
+            job["world_size"] = len(ranks)
+            if job["state"] not in FINISHED_STATES:
+                job["state"] = "running"
+            return True
+
+        updated = await self._modify(event.job_id, advance)
+        if updated is not None and applied:
+            await self._index_nodes(event.job_id, updated["cluster"], updated["ranks"])
+        return updated
 
     async def finish(self, event: JobFinished) -> None:
         """Mark a job finished: it no longer has placements a fault could hurt."""
-        job = await self.get(event.job_id)
-        if job is not None:
+
+        def end(job: dict[str, Any]) -> bool:
             job["state"] = event.outcome
             job["outcome"] = event.outcome
             job["finished_at"] = event.occurred_at.isoformat()
-            await self._r.set(self._key(event.job_id), json.dumps(job))
+            return True
+
+        await self._modify(event.job_id, end)
         if event.committed_step is not None:
             await self.record_step(event.job_id, event.committed_step)
         await self._r.srem(f"{self._p}:jobs:active", event.job_id)
@@ -172,27 +181,62 @@ class JobRegistry:
 
     async def record_pids(self, job_id: str, pids: dict[str, int]) -> None:
         """Fill in process ids learnt from heartbeats (members spawned after registration)."""
-        job = await self.get(job_id)
-        if job is None:
-            return
-        changed = False
-        known = {m["member_id"]: m for m in job["members"]}
-        for member_id, pid in pids.items():
-            m = known.get(member_id)
-            if m is not None and m.get("pid") != pid:
-                m["pid"] = pid
-                changed = True
-            elif m is None:
-                job["members"].append(
-                    {"member_id": member_id, "role": "spare", "pid": pid, "node": None, "gpu": None}
-                )
-                changed = True
-            for r in job["ranks"]:
-                if r["member_id"] == member_id and r.get("pid") != pid:
-                    r["pid"] = pid
+
+        def fill(job: dict[str, Any]) -> bool:
+            changed = False
+            known = {m["member_id"]: m for m in job["members"]}
+            for member_id, pid in pids.items():
+                m = known.get(member_id)
+                if m is not None and m.get("pid") != pid:
+                    m["pid"] = pid
                     changed = True
-        if changed:
-            await self._r.set(self._key(job_id), json.dumps(job))
+                elif m is None:
+                    job["members"].append(
+                        {
+                            "member_id": member_id,
+                            "role": "spare",
+                            "pid": pid,
+                            "node": None,
+                            "gpu": None,
+                        }
+                    )
+                    changed = True
+                for r in job["ranks"]:
+                    if r["member_id"] == member_id and r.get("pid") != pid:
+                        r["pid"] = pid
+                        changed = True
+            return changed
+
+        await self._modify(job_id, fill)
+
+    async def _modify(
+        self, job_id: str, change: Callable[[dict[str, Any]], bool]
+    ) -> dict[str, Any] | None:
+        """Read, change and write a job's document as one step; the document, or None.
+
+        Heartbeats (pids), generations and the job's end are handled concurrently and each
+        rewrites the whole document: a plain read-then-write let a heartbeat's stale copy
+        put the previous generation's placements back over a new one. ``change`` edits the
+        document in place and says whether it changed anything; it runs again on a fresh
+        read when another writer got in between (WATCH/MULTI).
+        """
+        key = self._key(job_id)
+        async with self._r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        return None
+                    job: dict[str, Any] = json.loads(raw)
+                    if not change(job):
+                        return job
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.set(key, json.dumps(job))
+                    await pipe.execute()
+                    return job
+                except WatchError:
+                    continue
 
     async def add_timeline(self, job_id: str, at: datetime, entry: dict[str, Any]) -> None:
         """Append to the job's timeline; the same entry twice (a redelivery) is stored once."""

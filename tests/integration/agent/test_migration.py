@@ -24,16 +24,19 @@ NPROC = 3
 ENV = {"TR_STEPS": "24", "TR_STEP_SLEEP_S": "0.03"}
 KILL_AT = 6  # committed step after which the failure is injected
 
-_reference: dict[int, dict[int, str]] = {}
+_reference: dict[tuple[int, str], dict[int, str]] = {}
 
 
-async def reference(runner: JobRunner, nproc: int = NPROC) -> dict[int, str]:
-    """Digests of the fault-free run of ``nproc`` ranks (computed once per session)."""
-    if nproc not in _reference:
-        job, _ = await runner.start("reference", nproc=nproc, env=ENV)
+async def reference(
+    runner: JobRunner, nproc: int = NPROC, env: dict[str, str] = ENV
+) -> dict[int, str]:
+    """Digests of the fault-free run of ``nproc`` ranks with ``env`` (once per session)."""
+    key = (nproc, repr(sorted(env.items())))
+    if key not in _reference:
+        job, _ = await runner.start("reference", nproc=nproc, env=env)
         assert await job.wait() == 0, job.output()[-3000:]
-        _reference[nproc] = job.digests()
-    return _reference[nproc]
+        _reference[key] = job.digests()
+    return _reference[key]
 
 
 async def until_step(ex: FakeExecutor, member_id: str, step: int) -> None:
@@ -87,13 +90,16 @@ async def test_sigkill_mid_step_hot_spare_takes_the_rank(runner: JobRunner) -> N
 async def test_a_spare_that_warmed_up_takes_the_rank_bitwise(runner: JobRunner) -> None:
     # s0's warm-up trains on made-up data and leaves its gradients; s1's warm-up raises.
     # Both serve: the first failure goes to s0, the second to s1, and the final state is
-    # still the fault-free run's.
-    ref = await reference(runner)
+    # still the fault-free run's. Width 160: the hidden weights and their Adam moments are
+    # large enough to travel apart from the header, so they are received into the spare's
+    # own tensors (s0's moments exist: its warm-up stepped the optimizer).
+    wide = {**ENV, "TR_WIDTH": "160"}
+    ref = await reference(runner, NPROC, wide)
     job, ex = await runner.start(
         "warm",
         nproc=NPROC,
         spares=2,
-        env={**ENV, "TR_WARM_UP": "{job}-s0", "TR_WARM_UP_RAISE": "{job}-s1"},
+        env={**wide, "TR_WARM_UP": "{job}-s0", "TR_WARM_UP_RAISE": "{job}-s1"},
     )
     first = f"{job.job_id}-w1"
     await until_step(ex, first, KILL_AT)
