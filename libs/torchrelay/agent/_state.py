@@ -323,15 +323,17 @@ def unpack_state(skeleton: Any, large: list[torch.Tensor], tracked: Mapping[str,
 def transfer_locally(
     tracked_from: Mapping[str, Stateful], tracked_to: Mapping[str, Stateful], step: int
 ) -> int:
-    """Pack, "send" by copying, and unpack within one process (tests, benchmarks)."""
+    """Pack, "send" by copying, and unpack within one process (tests, benchmarks).
+
+    The receiving side is the agent's: each tensor lands in ``tracked_to``'s matching one
+    where it has it (:func:`receive_targets`).
+    """
     packed = pack_state(tracked_from, step)
     skeleton = read_header(packed.header.clone())
-    large = []
-    for slot, data in zip(slots(skeleton), packed.large, strict=True):
-        t = empty_for(slot, torch.device("cpu"))
-        as_bytes(t).copy_(data)
-        large.append(t)
-    return unpack_state(skeleton, large, tracked_to)
+    targets = receive_targets(skeleton, tracked_to, torch.device("cpu"))
+    for into, data in zip(targets.tensors, packed.large, strict=True):
+        as_bytes(into).copy_(data)
+    return unpack_state(skeleton, targets.tensors, tracked_to)
 
 
 def _feed(h: Any, value: Any) -> None:

@@ -43,6 +43,19 @@ async def until_step(ex: FakeExecutor, member_id: str, step: int) -> None:
     await ex.wait_for(f"{member_id} at step {step}", lambda: ex.step_of(member_id) >= step)
 
 
+async def kill_one_then_another(
+    job: LaunchedJob, ex: FakeExecutor, first: str, second: str
+) -> None:
+    """SIGKILL ``first``; once generation 2 runs, SIGKILL ``second`` three steps later."""
+    await until_step(ex, first, KILL_AT)
+    os.kill(job.pid_of(first), signal.SIGKILL)
+    await ex.wait_for(
+        "generation 2 running", lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC
+    )
+    await until_step(ex, second, ex.step_of(second) + 3)
+    os.kill(job.pid_of(second), signal.SIGKILL)
+
+
 async def finish(job: LaunchedJob, ref: dict[int, str]) -> None:
     code = await job.wait()
     assert code == 0, job.output()[-4000:]
@@ -101,15 +114,7 @@ async def test_a_spare_that_warmed_up_takes_the_rank_bitwise(runner: JobRunner) 
         spares=2,
         env={**wide, "TR_WARM_UP": "{job}-s0", "TR_WARM_UP_RAISE": "{job}-s1"},
     )
-    first = f"{job.job_id}-w1"
-    await until_step(ex, first, KILL_AT)
-    os.kill(job.pid_of(first), signal.SIGKILL)
-    await ex.wait_for(
-        "generation 2 running", lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC
-    )
-    second = f"{job.job_id}-w2"
-    await until_step(ex, second, ex.step_of(second) + 3)
-    os.kill(job.pid_of(second), signal.SIGKILL)
+    await kill_one_then_another(job, ex, f"{job.job_id}-w1", f"{job.job_id}-w2")
     await finish(job, ref)
     assert ex.generations[1].member_rank(f"{job.job_id}-s0") == 1
     assert ex.generations[2].member_rank(f"{job.job_id}-s1") == 2
@@ -138,15 +143,8 @@ async def test_proactive_replacement_at_a_step_boundary(runner: JobRunner) -> No
 async def test_two_failures_one_after_the_other(runner: JobRunner) -> None:
     ref = await reference(runner)
     job, ex = await runner.start("twice", nproc=NPROC, spares=2, env=ENV)
-    first = f"{job.job_id}-w0"  # rank 0 also hosts the first generation's store
-    await until_step(ex, first, KILL_AT)
-    os.kill(job.pid_of(first), signal.SIGKILL)
-    await ex.wait_for(
-        "generation 2 running", lambda: len(ex.of(ReportKind.RESUMED, generation=2)) == NPROC
-    )
-    second = f"{job.job_id}-w2"
-    await until_step(ex, second, ex.step_of(second) + 3)
-    os.kill(job.pid_of(second), signal.SIGKILL)
+    # w0 first: rank 0 also hosts the first generation's store.
+    await kill_one_then_another(job, ex, f"{job.job_id}-w0", f"{job.job_id}-w2")
     await finish(job, ref)
     assert [g.generation for g in ex.generations] == [1, 2, 3]
     assert ex.generations[-1].member_rank(f"{job.job_id}-s1") == 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 import torchrelay
 import torchrelay.agent
 
@@ -20,3 +22,8 @@ def test_public_surface_is_pinned() -> None:
     assert all(
         params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("seed", "shuffle", "collate_fn")
     )
+
+
+def test_a_warm_up_that_is_not_callable_is_refused_before_joining() -> None:
+    with pytest.raises(TypeError, match=r"warm_up=\.\.\.\) needs a callable, got 'step'"):
+        torchrelay.init(warm_up="step")
