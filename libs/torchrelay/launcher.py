@@ -52,6 +52,7 @@ from torchrelay.contract import (
     Subjects,
     make_event_id,
 )
+from torchrelay.deathlatch import DeathLatch
 
 EXIT_USAGE = 2
 Outcome = Literal["succeeded", "failed", "cancelled"]
@@ -179,6 +180,8 @@ class Child:
     outcome: str | None = None
     stopping: bool = False  # the launcher itself is stopping it: not a failure
     lost_at: float | None = None
+    latch: DeathLatch | None = None
+    reported_lost: bool = False  # its loss was reported while it was still dying
 
     @property
     def pid(self) -> int | None:
@@ -226,6 +229,7 @@ class Launcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
         self._gave_up: str | None = None  # the control plane's verdict: no live migration
+        self._last_gen: Generation | None = None  # the newest generation read so far
         self._node_agents: list[asyncio.subprocess.Process] = []
         # The job-scoped credential the children connect with (None on an open server).
         self.job_credentials: Path | None = None
@@ -306,10 +310,42 @@ class Launcher:
 
     async def _spawn(self, child: Child) -> None:
         self.children[child.member_id] = child
-        child.proc = await asyncio.create_subprocess_exec(
-            sys.executable, self.opts.script, *self.opts.script_args, env=self._env(child)
-        )
+        env = self._env(child)
+        latch = DeathLatch.create()
+        if latch is not None:
+            env.update(latch.child_env())
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                self.opts.script,
+                *self.opts.script_args,
+                env=env,
+                pass_fds=(latch.fd,) if latch is not None and latch.fd is not None else (),
+            )
+        finally:
+            if latch is not None:
+                latch.spawned()
+        if latch is not None:
+            loop = asyncio.get_running_loop()
+            child.latch = latch
+            latch.watch(
+                child.proc.pid,
+                lambda status: loop.call_soon_threadsafe(self._dying, child, status),
+            )
         self._tasks.append(asyncio.create_task(self._reap(child)))
+
+    def _dying(self, child: Child, code: int) -> None:
+        """The child's latch says it is dying with ``code``: a lost worker is reported now,
+        not once the kernel has torn it down (``deathlatch``); ``_reap`` does the rest."""
+        if child.exit_code is not None or child.stopping or child.reported_lost:
+            return
+        record = self._exit_record(child.member_id)
+        if classify_exit(code, record) != "lost":
+            return  # finishing, fenced, or the user's error: nothing urgent, _reap reports it
+        self._mark("dying", member=child.member_id, code=code)
+        child.reported_lost = True
+        child.lost_at = time.monotonic()
+        self._tasks.append(asyncio.create_task(self._report_exit(child, code, "lost", record)))
 
     def _new_spare(self, node: str, gpu: int) -> Child:
         child = Child(f"{self.opts.job_id}-s{self._next_spare}", Role.SPARE, node, gpu)
@@ -409,12 +445,14 @@ class Launcher:
         assert child.proc is not None
         code = await child.proc.wait()
         self._mark("reaped", member=child.member_id, code=code)
+        if child.latch is not None:
+            child.latch.close()
         child.exit_code = code
         record = self._exit_record(child.member_id)
         child.outcome = classify_exit(code, record)
         if child.stopping and child.outcome == "lost":
             child.outcome = "stopped"  # by the launcher itself (end of job, Ctrl-C)
-        if child.outcome == "lost":
+        if child.outcome == "lost" and child.lost_at is None:
             child.lost_at = time.monotonic()
         if not child.stopping:
             print(
@@ -422,15 +460,21 @@ class Launcher:
                 file=sys.stderr,
                 flush=True,
             )
-            await self._report_exit(child, record)
+            if not (child.reported_lost and child.outcome == "lost"):
+                await self._report_exit(child, code, child.outcome, record)
         self._changed.set()
 
-    async def _report_exit(self, child: Child, record: dict[str, Any] | None) -> None:
-        current = await self._generation()
+    async def _report_exit(
+        self, child: Child, code: int, outcome: str, record: dict[str, Any] | None
+    ) -> None:
+        # The newest generation this launcher read (at most a second old: _supervise reads
+        # it every second) rather than a read now, which would delay the report of a lost
+        # rank. Its rank is only informative: the detector judges the exit by its own view
+        # of the job's generations.
+        current = self._last_gen if self._last_gen is not None else await self._generation()
         rank = current.member_rank(child.member_id) if current is not None else None
-        code = child.exit_code if child.exit_code is not None else -1
         detail = describe_exit(code)
-        if child.outcome == "application_error" and record is not None:
+        if outcome == "application_error" and record is not None:
             detail = str(record.get("error", ""))[-7000:]
         report = AgentReport(
             event_id=make_event_id("worker_exit", child.member_id),
@@ -442,7 +486,7 @@ class Launcher:
             rank=rank,
             generation=current.generation if current is not None else 0,
             exit_code=code,
-            error=f"{child.outcome}: {detail}",
+            error=f"{outcome}: {detail}",
             node=child.node,
             gpu=child.gpu,
             pid=child.pid,
@@ -461,7 +505,11 @@ class Launcher:
             found = await self.bus.get_generation(self.opts.job_id)
         except Exception:
             return None
-        return found[0] if found is not None else None
+        if found is None:
+            return None
+        if self._last_gen is None or found[0].generation >= self._last_gen.generation:
+            self._last_gen = found[0]
+        return found[0]
 
     # ----------------------------------------------------------------- control plane
 

@@ -67,7 +67,10 @@ def main() -> None:
     os.environ["TORCHRELAY_TRACE_FILE"] = str(root / "trace.jsonl")
     wall, log_dir, _notes = m.run_torchrelay(root / "fault", True)
     stats = m.analyse(log_dir, m.WORLD, m.KILL_RANK)
-    print(f"stall {1000 * stats.stall_s:.0f} ms, lost steps {stats.lost_steps}, wall {wall:.1f} s")
+    print(
+        f"stall {1000 * stats.stall_s:.0f} ms (largest gap of the run "
+        f"{1000 * stats.max_gap_s:.0f} ms), lost steps {stats.lost_steps}, wall {wall:.1f} s"
+    )
     events = _events(root, log_dir)
     kills = [t for t, text in events if "killed" in text]
     if not kills:

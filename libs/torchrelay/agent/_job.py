@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from torchrelay import deathlatch
 from torchrelay.agent._data import StepSampler, dataset_length, make_batch, seed_step
 from torchrelay.agent._group import (
     GRAVEYARD,
@@ -139,6 +140,8 @@ class Job:
     def __init__(
         self, *, collective_timeout_s: float | None = None, connect_timeout_s: float = 30.0
     ) -> None:
+        # First: from here on, the launcher learns of this process's death as it begins.
+        deathlatch.hold_from_env()
         self.job_id = _env("TORCHRELAY_JOB_ID")
         self.member_id = _env("TORCHRELAY_MEMBER_ID", f"{self.job_id}-pid{os.getpid()}")
         self.role = Role(_env("TORCHRELAY_ROLE", "worker"))
@@ -617,6 +620,8 @@ class Job:
                 self._collective_failed(gen, self.rank, exc)
                 self._discard(params)
                 return False
+        if self._resume is not None:
+            self._mark("allreduce", step=step)
         while True:
             gen, pg = self._gen, self._pg
             assert gen is not None
@@ -643,6 +648,8 @@ class Job:
             self._fence("a newer generation does not name this member")
         switch = bool(buf[-1].item() > 0)
         grads = buf[:-1]
+        if self._resume is not None:
+            self._mark("allreduced", step=step)
         grads.div_(gen.world_size)
         _unflatten(grads, params)
         for opt in optimizers:

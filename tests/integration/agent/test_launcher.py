@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,13 +43,21 @@ def gone(pid: int) -> bool:
     return False
 
 
-async def test_chaos_kills_the_rank_holder_and_sigterm_stops_the_job(runner: JobRunner) -> None:
+async def test_chaos_kills_the_rank_holder_and_sigterm_stops_the_job(
+    runner: JobRunner, tmp_path: Path
+) -> None:
+    timeline = tmp_path / "timeline"
+    timeline.mkdir()
     job, ex = await runner.start(
         "chaos",
         nproc=2,
         spares=1,
         auto_replace=False,
-        env={"TR_STEPS": "100000", "TR_STEP_SLEEP_S": "0.02"},
+        env={
+            "TR_STEPS": "100000",
+            "TR_STEP_SLEEP_S": "0.02",
+            "TORCHRELAY_AGENT_TIMELINE": str(timeline),
+        },
     )
     await ex.wait_for("training", lambda: ex.step_of(f"{job.job_id}-w1") >= 2)
     pids = json.loads((job.run_dir / "launcher.json").read_text())["members"]
@@ -63,6 +72,13 @@ async def test_chaos_kills_the_rank_holder_and_sigterm_stops_the_job(runner: Job
     assert exits[0].rank == 1
     assert exits[0].exit_code == -signal.SIGKILL
     assert (exits[0].error or "").startswith("lost")
+    # Reported from the rank's death latch while it was dying, not only once reaped.
+    marks = [
+        json.loads(line)
+        for line in (timeline / f"launcher-{job.job_id}.timeline").read_text().splitlines()
+    ]
+    dying = [m for m in marks if m["event"] == "dying"]
+    assert [(m["member"], m["code"]) for m in dying] == [(f"{job.job_id}-w1", -signal.SIGKILL)]
 
     code, _, err = await chaos(runner, "xid", "--node", "local-0", "--gpu", "0", "--code", "79")
     assert code == 1

@@ -1,4 +1,5 @@
-"""The migration bench reads stall and lost steps from the ranks' step logs as defined."""
+"""The migration bench reads stall, largest gap and lost steps from the ranks' step logs as
+defined."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from pathlib import Path
 import pytest
 
 from tests.bench.migration import analyse
+
+
+def _killed(log_dir: Path, at: float) -> None:
+    (log_dir / "killed").write_text(f"4242 {at:.6f}\n")
 
 
 def _write(log_dir: Path, rank: int, lines: list[str], sha: str = "s") -> None:
@@ -28,10 +33,33 @@ def test_a_step_abandoned_in_flight_counts_once_and_the_gap_is_the_stall(tmp_pat
     for rank in (0, 1, 3):
         _write(tmp_path, rank, survivor)
     _write(tmp_path, 2, [*_steps(range(5), 0.0, 0.1), "begin 5 0.5", "killed 5 0.51"])
+    _killed(tmp_path, 0.51)
     stats = analyse(tmp_path, world=4, victim=2)
     assert stats.lost_steps == 1
     assert stats.committed == 10
     assert stats.stall_s == pytest.approx(2.5 + 0.05 - 0.45)
+    assert stats.max_gap_s == pytest.approx(stats.stall_s)
+
+
+def test_the_stall_is_the_gap_around_the_kill_not_a_slow_step_elsewhere(tmp_path: Path) -> None:
+    # commits every 0.1 s, except a 0.4 s step at 2-3 (noise) and 0.3 s across the kill at 0.72
+    times = [0.1, 0.2, 0.6, 0.7, 1.0, 1.1, 1.2]
+    for rank in (0, 2, 3):
+        _write(tmp_path, rank, [f"commit {i} {t}" for i, t in enumerate(times)])
+    _write(tmp_path, 1, [f"commit {i} {t}" for i, t in enumerate(times[:4])])
+    _killed(tmp_path, 0.72)
+    stats = analyse(tmp_path, world=4, victim=1)
+    assert stats.stall_s == pytest.approx(0.3)
+    assert stats.max_gap_s == pytest.approx(0.4)
+    clean = analyse(tmp_path, world=4, victim=-1)  # without a kill: the largest gap is all
+    assert clean.stall_s == clean.max_gap_s == pytest.approx(0.4)
+
+
+def test_a_kill_without_its_record_is_an_error(tmp_path: Path) -> None:
+    for rank in range(2):
+        _write(tmp_path, rank, _steps(range(3), 0.0, 0.1))
+    with pytest.raises(RuntimeError, match="rank 1 was to be killed"):
+        analyse(tmp_path, world=2, victim=1)
 
 
 def test_a_rollback_counts_every_recomputed_step(tmp_path: Path) -> None:
@@ -40,7 +68,9 @@ def test_a_rollback_counts_every_recomputed_step(tmp_path: Path) -> None:
     again = _steps(range(4, 10), 10.0, 0.1)
     for rank in range(4):
         _write(tmp_path, rank, first + again)
+    _killed(tmp_path, 0.65)
     stats = analyse(tmp_path, world=4, victim=1)
+    assert stats.stall_s == pytest.approx(10.05 - 0.55)
     assert stats.lost_steps == 3
     assert stats.committed == 10
 
