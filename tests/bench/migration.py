@@ -17,12 +17,13 @@ Every arm's processes run with ``THP_MEM_ALLOC_ENABLE=1`` (what ``torchrelay run
 processes by default), so that the arms differ in how they recover, not in their allocator.
 
 Figures per system: ``stall_s`` (the stall of the kill: on each surviving rank, the gap
-between its last step commit before the kill and its first after it; the largest over the
-survivors), ``max_gap_s`` (the largest gap between consecutive commits anywhere in the run, for
-the noise: a fault-free run's own largest gap is ``clean_max_gap_s``), ``lost_steps`` (step
-computations a survivor began and had to redo), ``wall_s`` (wall time of the faulty run, start
-to finish), ``equal_final`` (sha256 of model + optimizer state equal to the same system's
-fault-free run). ``ratios`` divide each system's figure by torchrelay's.
+between its commit of step ``KILL_STEP - 1`` and its next commit, recovery included; the
+largest over the survivors), ``max_gap_s`` (the largest gap between consecutive commits
+anywhere in the run, for the noise: a fault-free run's own largest gap is
+``clean_max_gap_s``), ``lost_steps`` (step computations a survivor began and had to redo),
+``wall_s`` (wall time of the faulty run, start to finish), ``equal_final`` (sha256 of model +
+optimizer state equal to the same system's fault-free run). ``ratios`` divide each system's
+figure by torchrelay's.
 """
 
 from __future__ import annotations
@@ -66,29 +67,21 @@ class StepStats:
     final_sha: dict[int, str]
 
 
-def _kill_time(log_dir: Path) -> float | None:
-    """When the victim killed itself (``killed`` file: ``<pid> <time>``), if it did."""
-    try:
-        return float((log_dir / "killed").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def analyse(log_dir: Path, world: int, victim: int) -> StepStats:
+def analyse(log_dir: Path, world: int, victim: int, kill_step: int = KILL_STEP) -> StepStats:
     """Read ``rank<r>.log`` / ``final<r>.json`` of a run.
 
-    The stall of the kill is, per survivor, the gap between its last commit before the kill
-    and its first commit after it (the step the failure interrupted, recovery included); the
-    largest over survivors is reported. ``max_gap_s`` is the largest gap between consecutive
-    commits anywhere in the run on any survivor: on a shared 2-core machine a fault-free
-    step sometimes takes as long, so it says how noisy the run was, not what the kill cost.
-    A run without a kill reports its largest gap as both. Lost steps are, per survivor, the
-    step computations begun minus the distinct steps committed (a step abandoned in flight
-    or recomputed after a rollback counts once per extra attempt); the maximum over
-    survivors is reported.
+    The stall of the kill is, per survivor, the gap between its first commit of step
+    ``kill_step - 1`` (the last step the victim committed before it died in ``kill_step``)
+    and its next commit, whichever step that is: the step the failure interrupted, recovery
+    included (after a rollback, the first step committed again). The largest over survivors
+    is reported. ``max_gap_s`` is the largest gap between consecutive commits anywhere in the
+    run on any survivor: on a shared 2-core machine a fault-free step sometimes takes as
+    long, so it says how noisy the run was, not what the kill cost. A run without a victim
+    reports its largest gap as both. Lost steps are, per survivor, the step computations
+    begun minus the distinct steps committed (a step abandoned in flight or recomputed after
+    a rollback counts once per extra attempt); the maximum over survivors is reported.
     """
-    killed_at = _kill_time(log_dir) if victim >= 0 else None
-    if victim >= 0 and killed_at is None:
+    if victim >= 0 and not (log_dir / "killed").exists():
         raise RuntimeError(f"rank {victim} was to be killed but {log_dir / 'killed'} is missing")
     stall = 0.0
     max_gap = 0.0
@@ -99,8 +92,7 @@ def analyse(log_dir: Path, world: int, victim: int) -> StepStats:
         if not path.exists():
             raise RuntimeError(f"rank {rank} wrote no step log ({path}); see the run's output")
         begins = 0
-        commit_times: list[float] = []
-        steps: set[int] = set()
+        commits: list[tuple[int, float]] = []
         for line in path.read_text().splitlines():
             parts = line.split()
             if len(parts) != 3:
@@ -109,19 +101,23 @@ def analyse(log_dir: Path, world: int, victim: int) -> StepStats:
             if kind == "begin":
                 begins += 1
             elif kind == "commit":
-                commit_times.append(at)
-                steps.add(step)
+                commits.append((step, at))
         if rank == victim:
             continue
-        gaps = [b - a for a, b in itertools.pairwise(commit_times)]
+        steps = {step for step, _ in commits}
+        gaps = [b - a for (_, a), (_, b) in itertools.pairwise(commits)]
         max_gap = max(max_gap, *gaps) if gaps else max_gap
-        if killed_at is None:
+        if victim < 0:
             stall = max_gap
         else:
-            before = [t for t in commit_times if t < killed_at]
-            after = [t for t in commit_times if t >= killed_at]
-            if before and after:
-                stall = max(stall, after[0] - before[-1])
+            before = next(
+                (i for i, (step, _) in enumerate(commits) if step == kill_step - 1), None
+            )
+            if before is None or before + 1 >= len(commits):
+                raise RuntimeError(
+                    f"rank {rank} committed no step after step {kill_step - 1}; see {path}"
+                )
+            stall = max(stall, commits[before + 1][1] - commits[before][1])
         lost = max(lost, begins - len(steps))
         committed = max(committed, len(steps))
     finals: dict[int, str] = {}
