@@ -110,9 +110,7 @@ def analyse(log_dir: Path, world: int, victim: int, kill_step: int = KILL_STEP) 
         if victim < 0:
             stall = max_gap
         else:
-            before = next(
-                (i for i, (step, _) in enumerate(commits) if step == kill_step - 1), None
-            )
+            before = next((i for i, (step, _) in enumerate(commits) if step == kill_step - 1), None)
             if before is None or before + 1 >= len(commits):
                 raise RuntimeError(
                     f"rank {rank} committed no step after step {kill_step - 1}; see {path}"
