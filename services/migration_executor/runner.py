@@ -44,7 +44,7 @@ from torchrelay.observability import context_from_headers, tracer
 
 from . import saga
 from .saga import Lease, Phase, SagaState, Timing
-from .store import ExecutorStore
+from .store import Created, ExecutorStore, Flags
 
 SOURCE = "migration_executor"
 # The durable consumer of the agents' reports (its own, beside the requests' one).
@@ -85,22 +85,36 @@ class SagaRunner:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
         self._finish_seen: dict[str, float] = {}  # migration -> when its job's end was seen
+        # The flags read with a saga's last save (in the same round trip), for its next step
+        # in the same pass; keyed by migration, with the state they were read after.
+        self._saved_flags: dict[str, tuple[SagaState, Flags]] = {}
+        # Immediate sagas whose creation took the job's lock: their first reserve need not
+        # take it again (only a boundary saga's lock can be taken away, by an immediate one).
+        self._created_locked: set[str] = set()
 
     # ------------------------------------------------------------------ scheduling
 
-    def kick(self, migration_id: str, created: SagaState | None = None) -> None:
+    def kick(
+        self, migration_id: str, created: SagaState | None = None, flags: Flags | None = None
+    ) -> None:
         """Advance a saga now (or right after the pass already running for it).
 
         ``created``: the state just stored for a new saga, so its first step need not read
-        it back.
+        it back; ``flags``: its step flags, read with it.
         """
         task = self._tasks.get(migration_id)
         if task is not None and not task.done():
             self._again.add(migration_id)
             return
         self._tasks[migration_id] = asyncio.create_task(
-            self._drive(migration_id, created), name=f"saga:{migration_id[:12]}"
+            self._drive(migration_id, created, flags), name=f"saga:{migration_id[:12]}"
         )
+
+    def created(self, state: SagaState, outcome: Created) -> None:
+        """Start a saga the service just stored (``outcome`` of ``ExecutorStore.create``)."""
+        if outcome.locked and state.mode == MigrationMode.IMMEDIATE:
+            self._created_locked.add(state.migration_id)
+        self.kick(state.migration_id, state, outcome.flags)
 
     async def kick_job(self, job_id: str) -> None:
         """Advance every unfinished saga of a job (a report for it arrived)."""
@@ -130,7 +144,12 @@ class SagaRunner:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-    async def _drive(self, migration_id: str, created: SagaState | None = None) -> None:
+    async def _drive(
+        self,
+        migration_id: str,
+        created: SagaState | None = None,
+        flags: Flags | None = None,
+    ) -> None:
         try:
             state = created if created is not None else await self.store.load(migration_id)
             parent = context_from_headers(state.trace if state is not None else None)
@@ -142,32 +161,40 @@ class SagaRunner:
                     "torchrelay.phase": state.phase.value if state else "gone",
                 },
             ):
-                await self._drive_steps(migration_id, state)
+                await self._drive_steps(migration_id, state, flags)
         finally:
+            self._saved_flags.pop(migration_id, None)
+            self._created_locked.discard(migration_id)
             if self._tasks.get(migration_id) is asyncio.current_task():
                 del self._tasks[migration_id]
 
-    async def _drive_steps(self, migration_id: str, loaded: SagaState | None) -> None:
+    async def _drive_steps(
+        self, migration_id: str, loaded: SagaState | None, flags: Flags | None
+    ) -> None:
         # This task is the saga's only writer: the state a step persisted is the next step's
         # input (re-reading it from Redis cost a round trip per step on the stall's path).
-        # Escalations arrive as a separate flag that every step reads.
+        # Escalations arrive as a separate flag that every step reads: with the write of
+        # the step before (same round trip), or on its own after a fresh load.
         state = loaded
         while True:
             try:
                 if state is None:
                     state = await self.store.load(migration_id)
+                    flags = None
                 if state is None:
                     return
                 if state.phase == Phase.DONE:
                     await self.store.finish(state)
                     return
-                moved = await self.advance(state, utcnow())
+                moved = await self.advance(state, utcnow(), flags)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 # The state in Redis is unchanged for the failed step; the ticker retries.
                 self.log.exception("saga step failed", extra={"migration_id": migration_id})
                 return
+            saved = self._saved_flags.pop(migration_id, None)
+            flags = saved[1] if saved is not None and saved[0] is moved else None
             if moved is None:
                 if migration_id in self._again:
                     self._again.discard(migration_id)
@@ -182,7 +209,7 @@ class SagaRunner:
             state = moved
 
     async def _save(self, state: SagaState) -> SagaState:
-        await self.store.save(state)
+        self._saved_flags[state.migration_id] = (state, await self.store.save(state))
         return state
 
     async def _crash_point(self, point: str, state: SagaState) -> None:
@@ -197,16 +224,24 @@ class SagaRunner:
 
     # ------------------------------------------------------------------ one step
 
-    async def advance(self, state: SagaState, now: datetime) -> SagaState | None:
-        """Perform the action of ``state``'s phase; the persisted next state, or None."""
+    async def advance(
+        self, state: SagaState, now: datetime, flags: Flags | None = None
+    ) -> SagaState | None:
+        """Perform the action of ``state``'s phase; the persisted next state, or None.
+
+        ``flags``: the saga's step flags if they were just read (else they are read here).
+        """
         if state.to_release or state.to_quarantine or state.to_fence:
             return await self._compensate(state)
-        escalation, job_finished = await self.store.step_flags(state.migration_id, state.job_id)
+        if flags is None:
+            flags = await self.store.step_flags(state.migration_id, state.job_id)
+        escalation, job_finished = flags
         if escalation:
             escalated = saga.escalate(state, now)
             if escalated is not state:
                 await self._save(escalated)
             await self.store.escalation_done(state.migration_id)
+            self._saved_flags.pop(state.migration_id, None)  # read before the flag went
             if escalated is not state:
                 return escalated
         if state.phase in saga.ABORTABLE and job_finished:
@@ -268,7 +303,11 @@ class SagaRunner:
             # A generation of this job is still being entered; a boundary migration waits
             # until every rank resumed in it (agents agree on the switch inside a step).
             return None
-        locked = await self.store.lock_job(state.job_id, state.migration_id)
+        if state.migration_id in self._created_locked:
+            self._created_locked.discard(state.migration_id)
+            locked = True  # taken when the saga was created, and immediate: still ours
+        else:
+            locked = await self.store.lock_job(state.job_id, state.migration_id)
         if not locked and not await self._preempt_boundary(state):
             # Another migration of this job is changing its generation: wait our turn.
             return None

@@ -155,8 +155,9 @@ class Executor:
             )
         )
         state = saga.start(request, terms, utcnow()).model_copy(update={"trace": inject_headers()})
-        if await self.store.create(state, request):
-            self.runner.kick(request.migration_id, state)
+        outcome = await self.store.create(state, request)
+        if outcome.created:
+            self.runner.created(state, outcome)
         elif request.mode == MigrationMode.IMMEDIATE:
             # The scheduler escalated a boundary migration (a fatal fault on the leaving
             # rank); the runner applies it, as the saga's only writer.

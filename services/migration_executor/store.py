@@ -10,7 +10,7 @@ reports (member -> report) and ``resumed:<job>:<g>`` the RESUMED reports of gene
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 
@@ -24,13 +24,28 @@ redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[2])
 redis.call('SET', KEYS[5], ARGV[4])
-redis.call('SET', KEYS[6], ARGV[2], 'NX')
+if redis.call('SET', KEYS[6], ARGV[2], 'NX') then return 2 end
 return 1
 """
 
 
 def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class Flags(NamedTuple):
+    """What a saga's every step checks first."""
+
+    escalation: bool  # the scheduler made this boundary migration immediate
+    job_finished: bool
+
+
+class Created(NamedTuple):
+    """What :meth:`ExecutorStore.create` did."""
+
+    created: bool  # False: the migration already had a saga (a redelivered request)
+    locked: bool  # the new saga took the job's migration lock
+    flags: Flags  # read right after
 
 
 class ExecutorStore:
@@ -42,13 +57,15 @@ class ExecutorStore:
 
     # ------------------------------------------------------------------ sagas
 
-    async def create(self, state: SagaState, request: MigrationRequested) -> bool:
-        """Store a new saga; False if the migration already has one (a redelivery).
+    async def create(self, state: SagaState, request: MigrationRequested) -> Created:
+        """Store a new saga, unless the migration already has one (a redelivery).
 
         One script: the saga, its indexes, the request it came from and, if no other
-        migration holds it, the job's lock, in one atomic step (and one AOF write).
+        migration holds it, the job's lock, in one atomic step (and one AOF write). The
+        saga's :meth:`step_flags` are read in the same round trip, after the script.
         """
-        created = await self._r.eval(
+        pipe = self._r.pipeline(transaction=False)
+        pipe.eval(
             _CREATE_SCRIPT,
             6,
             f"{self._p}:saga:{state.migration_id}",
@@ -62,11 +79,25 @@ class ExecutorStore:
             str(state.created_at.timestamp()),
             request.model_dump_json(),
         )
-        return bool(created)
+        self._queue_flags(pipe, state.migration_id, state.job_id)
+        created, escalation, finished = await pipe.execute()
+        return Created(
+            created=int(created) > 0,
+            locked=int(created) == 2,
+            flags=Flags(bool(escalation), bool(finished)),
+        )
 
-    async def save(self, state: SagaState) -> None:
-        """Persist a saga's new state (before the runner acts on it)."""
-        await self._r.set(f"{self._p}:saga:{state.migration_id}", state.model_dump_json())
+    async def save(self, state: SagaState) -> Flags:
+        """Persist a saga's new state (before the runner acts on it).
+
+        Returns the saga's :meth:`step_flags` as they are right after the write, read in
+        the same round trip: the runner's next step needs them.
+        """
+        pipe = self._r.pipeline(transaction=False)
+        pipe.set(f"{self._p}:saga:{state.migration_id}", state.model_dump_json())
+        self._queue_flags(pipe, state.migration_id, state.job_id)
+        _, escalation, finished = await pipe.execute()
+        return Flags(bool(escalation), bool(finished))
 
     async def load(self, migration_id: str) -> SagaState | None:
         raw = await self._r.get(f"{self._p}:saga:{migration_id}")
@@ -132,13 +163,17 @@ class ExecutorStore:
     async def escalation_requested(self, migration_id: str) -> bool:
         return bool(await self._r.exists(f"{self._p}:escalate:{migration_id}"))
 
-    async def step_flags(self, migration_id: str, job_id: str) -> tuple[bool, bool]:
-        """(escalation requested, job finished), read in one round trip per saga step."""
+    async def step_flags(self, migration_id: str, job_id: str) -> Flags:
+        """(escalation requested, job finished), read in one round trip per saga step
+        (or with the write of the step before: :meth:`save`, :meth:`create`)."""
         pipe = self._r.pipeline(transaction=False)
+        self._queue_flags(pipe, migration_id, job_id)
+        escalation, finished = await pipe.execute()
+        return Flags(bool(escalation), bool(finished))
+
+    def _queue_flags(self, pipe: Any, migration_id: str, job_id: str) -> None:
         pipe.exists(f"{self._p}:escalate:{migration_id}")
         pipe.exists(f"{self._p}:finished:{job_id}")
-        escalation, finished = await pipe.execute()
-        return bool(escalation), bool(finished)
 
     async def escalation_done(self, migration_id: str) -> None:
         await self._r.delete(f"{self._p}:escalate:{migration_id}")

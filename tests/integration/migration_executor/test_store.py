@@ -1,0 +1,77 @@
+"""The executor's store on a real Redis: what a saga's creation and saves tell the runner.
+
+Creation and every save read the saga's step flags in the same round trip (the runner's next
+step needs them); creation says whether it also took the job's lock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import redis.asyncio as aioredis
+
+from services.migration_executor import saga
+from services.migration_executor.saga import JobTerms
+from services.migration_executor.store import ExecutorStore, Flags
+from torchrelay.contract import FaultKind, MigrationMode, MigrationRequested
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _request(migration_id: str, job_id: str) -> MigrationRequested:
+    return MigrationRequested(
+        event_id=f"r-{migration_id}",
+        source="scheduler",
+        migration_id=migration_id,
+        incident_id=f"i-{migration_id}",
+        job_id=job_id,
+        tenant="acme",
+        rank=1,
+        member_id=f"{job_id}-w1",
+        node="local-1",
+        gpu=0,
+        mode=MigrationMode.IMMEDIATE,
+        fault_kind=FaultKind.WORKER_LOST,
+        generation_before=1,
+    )
+
+
+async def test_creation_says_whether_it_took_the_lock_and_reads_the_flags(
+    redis: aioredis.Redis,
+) -> None:
+    store = ExecutorStore(redis, f"test:{uuid.uuid4().hex[:8]}")
+    job = "j1"
+    first = _request("m1", job)
+    state = saga.start(first, JobTerms(world_size=4), T0)
+    made = await store.create(state, first)
+    assert (made.created, made.locked) == (True, True)
+    assert made.flags == Flags(escalation=False, job_finished=False)
+    assert await store.job_lock_holder(job) == "m1"
+
+    # A second migration of the same job while the first holds the lock: stored, unlocked.
+    await store.mark_finished(job, "succeeded")
+    second = _request("m2", job)
+    made = await store.create(saga.start(second, JobTerms(world_size=4), T0), second)
+    assert (made.created, made.locked) == (True, False)
+    assert made.flags == Flags(escalation=False, job_finished=True)
+
+    # A redelivered request: nothing new.
+    again = await store.create(state, first)
+    assert again.created is False
+    assert again.locked is False
+
+
+async def test_a_save_returns_the_flags_as_they_are_after_it(redis: aioredis.Redis) -> None:
+    store = ExecutorStore(redis, f"test:{uuid.uuid4().hex[:8]}")
+    request = _request("m1", "j1")
+    state = saga.start(request, JobTerms(world_size=4), T0)
+    await store.create(state, request)
+    assert await store.save(state) == Flags(escalation=False, job_finished=False)
+    await store.request_escalation("m1")
+    moved = state.model_copy(update={"updated_at": datetime(2026, 1, 2, tzinfo=UTC)})
+    assert await store.save(moved) == Flags(escalation=True, job_finished=False)
+    loaded = await store.load("m1")
+    assert loaded is not None
+    assert loaded.updated_at == moved.updated_at
+    assert await store.step_flags("m1", "j1") == Flags(escalation=True, job_finished=False)
