@@ -2,9 +2,10 @@
 
 The launcher is the job's hands on this machine (protocol.md §1, §9-§11): it spawns N workers
 and S hot spares as subprocesses (``--nodes K`` spreads them over K simulated nodes),
-registers the job and its spares, reports every child's exit, answers fencing orders,
-cold-spare spawns and pid look-ups on NATS, forwards Ctrl-C/SIGTERM to the whole job, and
-exits 0 when every rank of the newest generation has finished.
+registers the job and its spares, reports every child's exit (a lost rank's as soon as it
+starts dying: ``deathlatch``), answers fencing orders, cold-spare spawns and pid look-ups on
+NATS, forwards Ctrl-C/SIGTERM to the whole job, and exits 0 when every rank of the newest
+generation has finished.
 """
 
 from __future__ import annotations
