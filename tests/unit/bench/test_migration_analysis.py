@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.bench import migration
 from tests.bench.migration import analyse
 
 
@@ -87,3 +89,35 @@ def test_a_missing_rank_log_is_an_error_that_names_it(tmp_path: Path) -> None:
     _write(tmp_path, 0, _steps(range(3), 0.0, 0.1))
     with pytest.raises(RuntimeError, match="rank 1 wrote no step log"):
         analyse(tmp_path, world=2, victim=-1)
+
+
+def test_the_bench_reports_the_median_stall_of_its_runs_and_every_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(migration, "STEPS", 8)
+    monkeypatch.setattr(migration, "KILL_STEP", 4)
+    # A stand-in system: its runs with the kill stall 0.5, 0.2, 0.3 s; the second ends in a
+    # different state.
+    stalls = iter([0.5, 0.2, 0.3])
+    shas = iter(["good", "bad", "good"])
+
+    def runner(work: Path, fault: bool) -> tuple[float, Path, dict[str, Any]]:
+        work.mkdir(parents=True)
+        gap = next(stalls) if fault else 0.1
+        sha = next(shas) if fault else "good"
+        times = [0.1 * i for i in range(1, 5)] + [0.4 + gap + 0.1 * i for i in range(4)]
+        for rank in range(4):
+            lines = [f"commit {i} {t:.3f}" for i, t in enumerate(times)]
+            if fault and rank == 2:
+                lines = [*lines[:4], "killed 4 0.45"]
+            _write(work, rank, lines, sha)
+        if fault:
+            _killed(work, 0.45)
+        return 10.0 if fault else 9.0, work, {}
+
+    figures = migration._measure("stand-in", runner, tmp_path, fault_runs=3)
+    assert figures["stall_runs_s"] == pytest.approx([0.5, 0.2, 0.3])
+    assert figures["stall_s"] == pytest.approx(0.3)
+    assert figures["clean_max_gap_s"] == pytest.approx(0.1)
+    assert figures["equal_final"] is False  # one run ended elsewhere: not equal
+    assert figures["final_sha256_rank0"] == {"clean": "good", "fault": ["good", "bad", "good"]}
