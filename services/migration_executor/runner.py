@@ -88,9 +88,6 @@ class SagaRunner:
         # The flags read with a saga's last save (in the same round trip), for its next step
         # in the same pass; keyed by migration, with the state they were read after.
         self._saved_flags: dict[str, tuple[SagaState, Flags]] = {}
-        # Immediate sagas whose creation took the job's lock: their first reserve need not
-        # take it again (only a boundary saga's lock can be taken away, by an immediate one).
-        self._created_locked: set[str] = set()
 
     # ------------------------------------------------------------------ scheduling
 
@@ -112,8 +109,6 @@ class SagaRunner:
 
     def created(self, state: SagaState, outcome: Created) -> None:
         """Start a saga the service just stored (``outcome`` of ``ExecutorStore.create``)."""
-        if outcome.locked and state.mode == MigrationMode.IMMEDIATE:
-            self._created_locked.add(state.migration_id)
         self.kick(state.migration_id, state, outcome.flags)
 
     async def kick_job(self, job_id: str) -> None:
@@ -164,7 +159,6 @@ class SagaRunner:
                 await self._drive_steps(migration_id, state, flags)
         finally:
             self._saved_flags.pop(migration_id, None)
-            self._created_locked.discard(migration_id)
             if self._tasks.get(migration_id) is asyncio.current_task():
                 del self._tasks[migration_id]
 
@@ -303,11 +297,7 @@ class SagaRunner:
             # A generation of this job is still being entered; a boundary migration waits
             # until every rank resumed in it (agents agree on the switch inside a step).
             return None
-        if state.migration_id in self._created_locked:
-            self._created_locked.discard(state.migration_id)
-            locked = True  # taken when the saga was created, and immediate: still ours
-        else:
-            locked = await self.store.lock_job(state.job_id, state.migration_id)
+        locked = await self.store.lock_job(state.job_id, state.migration_id)
         if not locked and not await self._preempt_boundary(state):
             # Another migration of this job is changing its generation: wait our turn.
             return None

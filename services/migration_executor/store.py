@@ -24,7 +24,7 @@ redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[2])
 redis.call('SET', KEYS[5], ARGV[4])
-if redis.call('SET', KEYS[6], ARGV[2], 'NX') then return 2 end
+redis.call('SET', KEYS[6], ARGV[2], 'NX')
 return 1
 """
 
@@ -44,7 +44,6 @@ class Created(NamedTuple):
     """What :meth:`ExecutorStore.create` did."""
 
     created: bool  # False: the migration already had a saga (a redelivered request)
-    locked: bool  # the new saga took the job's migration lock
     flags: Flags  # read right after
 
 
@@ -81,11 +80,7 @@ class ExecutorStore:
         )
         self._queue_flags(pipe, state.migration_id, state.job_id)
         created, escalation, finished = await pipe.execute()
-        return Created(
-            created=int(created) > 0,
-            locked=int(created) == 2,
-            flags=Flags(bool(escalation), bool(finished)),
-        )
+        return Created(created=bool(created), flags=Flags(bool(escalation), bool(finished)))
 
     async def save(self, state: SagaState) -> Flags:
         """Persist a saga's new state (before the runner acts on it).

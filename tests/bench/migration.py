@@ -2,8 +2,8 @@
 
 The job: 4 data-parallel CPU ranks (gloo) of a 2.4M-parameter MLP with AdamW
 (``workloads/common.py``), ``STEPS`` steps; rank ``KILL_RANK`` SIGKILLs itself after the forward
-pass of step ``KILL_STEP``. Each system runs once without the fault and ``FAULT_RUNS`` times
-(3; ``TORCHRELAY_BENCH_FAULT_RUNS``) with it:
+pass of step ``KILL_STEP``. Each system runs once without the fault and three times
+(``TORCHRELAY_BENCH_FAULT_RUNS``) with it:
 
 - ``torchrelay``: the whole control plane (``torchrelay up --detach``) and
   ``torchrelay run --nproc 4 --spares 1``; the detector, scheduler and executor hand the dead
@@ -53,7 +53,21 @@ KILL_STEP = 50
 KILL_RANK = 2
 CKPT_EVERY = 20
 # Runs with the kill per system; the median stall is reported, every run's is printed.
-FAULT_RUNS = int(os.environ.get("TORCHRELAY_BENCH_FAULT_RUNS", "3"))
+FAULT_RUNS_ENV = "TORCHRELAY_BENCH_FAULT_RUNS"
+
+
+def fault_runs_from(environ: dict[str, str] | os._Environ[str]) -> int:
+    """How many runs with the kill per system (``TORCHRELAY_BENCH_FAULT_RUNS``, default 3)."""
+    raw = environ.get(FAULT_RUNS_ENV, "3")
+    try:
+        runs = int(raw)
+    except ValueError:
+        runs = 0
+    if runs < 1:
+        raise ValueError(f"{FAULT_RUNS_ENV} must be a whole number of runs >= 1, got {raw!r}")
+    return runs
+
+
 RUN_TIMEOUT_S = 240.0
 
 
@@ -402,7 +416,7 @@ def _measure(
     On a shared 2-core machine one run's stall is one sample of a noisy quantity (a normal
     step's own gaps vary by 2-4x): the median of several, each printed, says more.
     """
-    runs_wanted = FAULT_RUNS if fault_runs is None else fault_runs
+    runs_wanted = fault_runs_from(os.environ) if fault_runs is None else fault_runs
     figures: dict[str, Any] = {"fault_runs": runs_wanted}
     print(f"  {name}: fault-free ...", flush=True)
     wall, log_dir, notes = runner(root / name / "clean", False)
@@ -449,6 +463,7 @@ def _measure(
 
 def run() -> dict[str, Any]:
     """Run the three systems, print a table, return the figures (torchrelay must be there)."""
+    fault_runs_from(os.environ)  # a bad setting is refused before minutes of runs
     root = Path(tempfile.mkdtemp(prefix="tr-bench-migration-"))
     systems: dict[str, Any] = {}
     errors: dict[str, str] = {}

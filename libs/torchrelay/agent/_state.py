@@ -326,14 +326,21 @@ def transfer_locally(
     """Pack, "send" by copying, and unpack within one process (tests, benchmarks).
 
     The receiving side is the agent's: each tensor lands in ``tracked_to``'s matching one
-    where it has it (:func:`receive_targets`).
+    where it has it (:func:`receive_targets`). Returns the step received.
     """
+    return receive_locally(tracked_from, tracked_to, step)[0]
+
+
+def receive_locally(
+    tracked_from: Mapping[str, Stateful], tracked_to: Mapping[str, Stateful], step: int
+) -> tuple[int, list[torch.Tensor]]:
+    """:func:`transfer_locally`, also returning the tensors the state was received into."""
     packed = pack_state(tracked_from, step)
     skeleton = read_header(packed.header.clone())
     targets = receive_targets(skeleton, tracked_to, torch.device("cpu"))
     for into, data in zip(targets.tensors, packed.large, strict=True):
         as_bytes(into).copy_(data)
-    return unpack_state(skeleton, targets.tensors, tracked_to)
+    return unpack_state(skeleton, targets.tensors, tracked_to), targets.tensors
 
 
 def _feed(h: Any, value: Any) -> None:

@@ -121,3 +121,11 @@ def test_the_bench_reports_the_median_stall_of_its_runs_and_every_one(
     assert figures["clean_max_gap_s"] == pytest.approx(0.1)
     assert figures["equal_final"] is False  # one run ended elsewhere: not equal
     assert figures["final_sha256_rank0"] == {"clean": "good", "fault": ["good", "bad", "good"]}
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "three", ""])
+def test_a_bad_number_of_runs_is_refused_naming_the_setting(raw: str) -> None:
+    with pytest.raises(ValueError, match="TORCHRELAY_BENCH_FAULT_RUNS must be a whole number"):
+        migration.fault_runs_from({"TORCHRELAY_BENCH_FAULT_RUNS": raw})
+    assert migration.fault_runs_from({}) == 3
+    assert migration.fault_runs_from({"TORCHRELAY_BENCH_FAULT_RUNS": "5"}) == 5
