@@ -61,6 +61,7 @@ class FakeExecutor:
         self._changed = asyncio.Event()
         self._subs: list[Any] = []
         self._lock = asyncio.Lock()
+        self._waiting: list[tuple[int, str]] = []  # lost ranks no spare had joined to take
 
     async def start(self) -> FakeExecutor:
         self._subs.append(
@@ -98,6 +99,12 @@ class FakeExecutor:
             if first is not None:
                 self.generations.append(first)
                 self.used.update(a.member_id for a in first.ranks)
+        elif report.kind == ReportKind.JOINED and report.role == Role.SPARE and self._waiting:
+            # A rank was lost before any hot spare had joined (the launcher reports a loss
+            # within milliseconds; a spare still importing torch joins later): like the
+            # executor's ``wait`` policy, the first spare to join takes it.
+            rank, reason = self._waiting.pop(0)
+            await self._replace(rank, MigrationMode.IMMEDIATE, reason)
         elif report.kind == ReportKind.WORKER_EXIT:
             self.gone.add(report.member_id)
             if (
@@ -107,7 +114,9 @@ class FakeExecutor:
                 and self.generations
             ):
                 rank = self.generations[-1].member_rank(report.member_id)
-                if rank is not None:
+                if rank is not None and not self.spares():
+                    self._waiting.append((rank, f"lost {report.member_id}"))
+                elif rank is not None:
                     await self._replace(rank, MigrationMode.IMMEDIATE, f"lost {report.member_id}")
 
     # ---------------------------------------------------------------- commands
