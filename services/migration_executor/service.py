@@ -183,11 +183,17 @@ class Executor:
         if report.kind == ReportKind.JOINED:
             await self.store.add_joined(report)
             await self.try_form(report.job_id)
+            finished = await self.store.finished(report.job_id)
         else:
-            await self.store.add_resumed(report)
+            so_far = await self.store.add_resumed(report)
             if report.generation == 1:
                 await self.store.mark_running(report.job_id)
-        if await self.store.finished(report.job_id):
+            finished = so_far.job_finished
+            if not finished and so_far.awaited is not None and so_far.reported < so_far.awaited:
+                # A saga waits for this generation and more of its members are to report:
+                # only the last one can complete it (the ticker still watches its deadline).
+                return
+        if finished:
             # JobFinished arrives on the other consumer and may have been handled first: let
             # what this report wrote expire like the rest of the job's reports (a saga that
             # waits for it still reads it, below).

@@ -4,7 +4,9 @@
 ``sagas:active`` the sagas not yet done, ``sagas:job:<job>`` a job's sagas, ``sagas`` all of
 them by start time; ``jobs:<job>`` the job's registration; ``joined:<job>`` the JOINED
 reports (member -> report) and ``resumed:<job>:<g>`` the RESUMED reports of generation g;
-``joblock:<job>`` the one saga that may change the job's generation now.
+``awaited:<job>:<g>`` how many members a saga waits to see resume in generation g (written
+with the saga that names g); ``joblock:<job>`` the one saga that may change the job's
+generation now.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ class Flags(NamedTuple):
     """What a saga's every step checks first."""
 
     escalation: bool  # the scheduler made this boundary migration immediate
+    job_finished: bool
+
+
+AWAITED_TTL_S = 7 * 24 * 3600  # outlives any saga; a finished job's expire sooner
+
+
+class ResumedSoFar(NamedTuple):
+    """What :meth:`ExecutorStore.add_resumed` learnt with the report it stored."""
+
+    reported: int  # members whose RESUMED for the report's generation is stored
+    awaited: int | None  # how many a saga waits for in that generation (None: no saga said)
     job_finished: bool
 
 
@@ -90,8 +103,15 @@ class ExecutorStore:
         """
         pipe = self._r.pipeline(transaction=False)
         pipe.set(f"{self._p}:saga:{state.migration_id}", state.model_dump_json())
+        if state.generation_after is not None and state.members_after:
+            # Lets a RESUMED report tell whether it is the one the saga waits for.
+            pipe.set(
+                f"{self._p}:awaited:{state.job_id}:{state.generation_after}",
+                len(state.members_after),
+                ex=AWAITED_TTL_S,
+            )
         self._queue_flags(pipe, state.migration_id, state.job_id)
-        _, escalation, finished = await pipe.execute()
+        *_, escalation, finished = await pipe.execute()
         return Flags(bool(escalation), bool(finished))
 
     async def load(self, migration_id: str) -> SagaState | None:
@@ -204,8 +224,9 @@ class ExecutorStore:
     async def forget_reports(self, job_id: str, after_s: int = 3600) -> None:
         """Let a finished job's agent reports expire (sagas no longer need them)."""
         keys = [f"{self._p}:joined:{job_id}", f"{self._p}:joined_workers:{job_id}"]
-        async for key in self._r.scan_iter(match=f"{self._p}:resumed:{job_id}:*", count=500):
-            keys.append(_text(key))
+        for kind in ("resumed", "awaited"):
+            async for key in self._r.scan_iter(match=f"{self._p}:{kind}:{job_id}:*", count=500):
+                keys.append(_text(key))
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
             pipe.expire(key, after_s)
@@ -247,7 +268,14 @@ class ExecutorStore:
     async def has_joined(self, job_id: str, member_id: str) -> bool:
         return bool(await self._r.hexists(f"{self._p}:joined:{job_id}", member_id))
 
-    async def add_resumed(self, report: AgentReport) -> None:
+    async def add_resumed(self, report: AgentReport) -> ResumedSoFar:
+        """Store a RESUMED report; with it, in the same round trip, how far its generation is.
+
+        A saga waiting for a generation's members to resume needs only the last report of
+        them: the caller skips driving it for the others (for a job of N ranks, N saga
+        passes that each read up to N reports).
+        """
+        key = f"{self._p}:resumed:{report.job_id}:{report.generation}"
         body = {
             "rank": report.rank,
             "step": report.step,
@@ -255,10 +283,16 @@ class ExecutorStore:
             "lost_steps": report.lost_steps,
             "bytes_received": report.bytes_received,
         }
-        await self._r.hset(
-            f"{self._p}:resumed:{report.job_id}:{report.generation}",
-            report.member_id,
-            json.dumps(body),
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hset(key, report.member_id, json.dumps(body))
+        pipe.hlen(key)
+        pipe.get(f"{self._p}:awaited:{report.job_id}:{report.generation}")
+        pipe.exists(f"{self._p}:finished:{report.job_id}")
+        _, count, awaited, finished = await pipe.execute()
+        return ResumedSoFar(
+            reported=int(count),
+            awaited=int(awaited) if awaited is not None else None,
+            job_finished=bool(finished),
         )
 
     async def resumed(self, job_id: str, generation: int) -> dict[str, dict[str, Any]]:

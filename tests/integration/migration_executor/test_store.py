@@ -1,7 +1,9 @@
 """The executor's store on a real Redis: what a saga's creation and saves tell the runner.
 
 Creation and every save read the saga's step flags in the same round trip (the runner's next
-step needs them); creation also takes the job's lock when no other migration holds it.
+step needs them); creation also takes the job's lock when no other migration holds it. A
+RESUMED report's write tells the service, in the same round trip, whether it is the last one
+a saga waits for.
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ import redis.asyncio as aioredis
 
 from services.migration_executor import saga
 from services.migration_executor.saga import JobTerms
-from services.migration_executor.store import ExecutorStore, Flags
-from torchrelay.contract import FaultKind, MigrationMode, MigrationRequested
+from services.migration_executor.store import ExecutorStore, Flags, ResumedSoFar
+from torchrelay.contract import (
+    AgentReport,
+    FaultKind,
+    MigrationMode,
+    MigrationRequested,
+    ReportKind,
+    Role,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -76,3 +85,54 @@ async def test_a_save_returns_the_flags_as_they_are_after_it(redis: aioredis.Red
     assert loaded is not None
     assert loaded.updated_at == moved.updated_at
     assert await store.step_flags("m1", "j1") == Flags(escalation=True, job_finished=False)
+
+
+def _resumed(job_id: str, member_id: str, generation: int) -> AgentReport:
+    return AgentReport(
+        event_id=f"resumed-{member_id}-{generation}",
+        source=f"agent:{member_id}",
+        job_id=job_id,
+        member_id=member_id,
+        kind=ReportKind.RESUMED,
+        role=Role.WORKER,
+        node="local-0",
+        gpu=0,
+        pid=1,
+        cluster="local",
+        generation=generation,
+        rank=0,
+        step=50,
+        stall_ms=120.0,
+    )
+
+
+async def test_a_resumed_report_says_whether_it_completes_what_a_saga_awaits(
+    redis: aioredis.Redis,
+) -> None:
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    store = ExecutorStore(redis, prefix)
+    job = "j1"
+    # No saga has named generation 1: nothing is known to be awaited.
+    first = await store.add_resumed(_resumed(job, "w0", 1))
+    assert first == ResumedSoFar(reported=1, awaited=None, job_finished=False)
+
+    request = _request("m1", job)
+    state = saga.start(request, JobTerms(world_size=3), T0)
+    await store.create(state, request)
+    named = state.model_copy(update={"generation_after": 2, "members_after": ["w0", "w1", "s0"]})
+    await store.save(named)
+    first_of_two = await store.add_resumed(_resumed(job, "w0", 2))
+    assert first_of_two == ResumedSoFar(reported=1, awaited=3, job_finished=False)
+    assert (await store.add_resumed(_resumed(job, "s0", 2))).reported == 2
+    # A redelivered report counts once.
+    assert (await store.add_resumed(_resumed(job, "s0", 2))).reported == 2
+    last = await store.add_resumed(_resumed(job, "w1", 2))
+    assert last == ResumedSoFar(reported=3, awaited=3, job_finished=False)
+    assert set(await store.resumed(job, 2)) == {"w0", "w1", "s0"}
+
+    await store.mark_finished(job, "succeeded")
+    assert (await store.add_resumed(_resumed(job, "w1", 2))).job_finished is True
+    # A finished job's reports, and what its sagas awaited, expire.
+    await store.forget_reports(job, after_s=60)
+    for key in (f"{prefix}:resumed:{job}:2", f"{prefix}:awaited:{job}:2"):
+        assert 0 < await redis.ttl(key) <= 60
