@@ -501,7 +501,13 @@ class SagaRunner:
         expired = state.deadline is not None and now >= state.deadline
         missing: list[str] = []
         for generation, members in reversed(views):
-            reports = await self.store.resumed(state.job_id, generation)
+            # Before the deadline only a complete set of reports can finish the migration:
+            # while the ranks are still resuming the store answers with their number alone.
+            reports = await self.store.resumed(
+                state.job_id, generation, at_least=0 if expired else len(members)
+            )
+            if reports is None:
+                continue
             stats = saga.resume_stats(members, state.spare_member, reports)
             if stats is None and expired:
                 # Past the deadline, a spare that resumed completes the migration even if a

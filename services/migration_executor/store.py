@@ -31,6 +31,15 @@ return 1
 """
 
 
+# A generation's RESUMED reports, but only once at least ARGV[1] are in: a saga polled while
+# its ranks are still resuming reads one number, not the reports of a big job's every rank.
+_RESUMED_SCRIPT = """
+local n = redis.call('HLEN', KEYS[1])
+if n < tonumber(ARGV[1]) then return n end
+return redis.call('HGETALL', KEYS[1])
+"""
+
+
 def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
@@ -295,6 +304,15 @@ class ExecutorStore:
             job_finished=bool(finished),
         )
 
-    async def resumed(self, job_id: str, generation: int) -> dict[str, dict[str, Any]]:
-        raw = await self._r.hgetall(f"{self._p}:resumed:{job_id}:{generation}")
-        return {_text(k): dict(json.loads(v)) for k, v in raw.items()}
+    async def resumed(
+        self, job_id: str, generation: int, at_least: int = 0
+    ) -> dict[str, dict[str, Any]] | None:
+        """The RESUMED reports of a generation (member -> figures); None if fewer than
+        ``at_least`` members reported (then only their number was read)."""
+        raw = await self._r.eval(
+            _RESUMED_SCRIPT, 1, f"{self._p}:resumed:{job_id}:{generation}", at_least
+        )
+        if isinstance(raw, int):
+            return None
+        pairs = iter(raw)
+        return {_text(k): dict(json.loads(v)) for k, v in zip(pairs, pairs, strict=True)}

@@ -103,6 +103,8 @@ def _resumed(job_id: str, member_id: str, generation: int) -> AgentReport:
         rank=0,
         step=50,
         stall_ms=120.0,
+        lost_steps=0,
+        bytes_received=28_545_133,
     )
 
 
@@ -126,9 +128,23 @@ async def test_a_resumed_report_says_whether_it_completes_what_a_saga_awaits(
     assert (await store.add_resumed(_resumed(job, "s0", 2))).reported == 2
     # A redelivered report counts once.
     assert (await store.add_resumed(_resumed(job, "s0", 2))).reported == 2
+    # A saga polled before its deadline asks for all three: two are not read at all.
+    assert await store.resumed(job, 2, at_least=3) is None
+    partial = await store.resumed(job, 2)
+    assert partial is not None
+    assert set(partial) == {"w0", "s0"}
     last = await store.add_resumed(_resumed(job, "w1", 2))
     assert last == ResumedSoFar(reported=3, awaited=3, job_finished=False)
-    assert set(await store.resumed(job, 2)) == {"w0", "w1", "s0"}
+    complete = await store.resumed(job, 2, at_least=3)
+    assert complete is not None
+    assert set(complete) == {"w0", "w1", "s0"}
+    assert complete["w1"] == {
+        "rank": 0,
+        "step": 50,
+        "stall_ms": 120.0,
+        "lost_steps": 0,
+        "bytes_received": 28_545_133,
+    }
 
     await store.mark_finished(job, "succeeded")
     assert (await store.add_resumed(_resumed(job, "w1", 2))).job_finished is True
