@@ -43,6 +43,7 @@ from .rules import (
 HISTORY_MAX = 200
 LEASE_TTL_MS = 24 * 3600 * 1000  # ended leases are remembered a day (idempotent replies)
 HISTORY_TTL_MS = 7 * 24 * 3600 * 1000  # history of a slot that left the pool
+HOT_REGISTRATION_TTL_S = 7 * 24 * 3600  # a hot spare's registration, kept to re-admit it
 SWEEP_LIMIT = 256
 
 # --------------------------------------------------------------------------- Lua
@@ -1100,6 +1101,44 @@ class SpareInventory:
             expired=[LeaseEnd.from_json(e) for e in _as_list(reply.get("expired"))],
             removed=[dict(r) for r in _as_list(reply.get("removed"))],
         )
+
+    # A hot spare whose beats lapsed (its process starved for seconds under load, the
+    # network cut) is removed by the sweep, but its process may well live on. Its
+    # registration is kept (``hotreg:<member>``) and the member listed (``lapsed``), so
+    # that its next beat brings it back instead of leaving the job without its spare.
+
+    async def remember_hot(self, slot: SpareSlot) -> None:
+        """Keep a hot spare's registration (to re-admit it if its beats lapse)."""
+        if slot.member_id:
+            await self.redis.set(
+                self.key("hotreg", slot.member_id),
+                slot.model_dump_json(),
+                ex=HOT_REGISTRATION_TTL_S,
+            )
+
+    async def mark_lapsed(self, member_ids: Sequence[str]) -> None:
+        """These hot spares were removed for lack of beats."""
+        if member_ids:
+            await self.redis.sadd(self.key("lapsed"), *member_ids)
+
+    async def lapsed_members(self) -> set[str]:
+        return {_str(m) for m in await self.redis.smembers(self.key("lapsed"))}
+
+    async def take_lapsed(self, member_id: str) -> SpareSlot | None:
+        """The registration of a lapsed hot spare, no longer listed as lapsed (None: unknown)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.get(self.key("hotreg", member_id))
+        pipe.srem(self.key("lapsed"), member_id)
+        raw, _ = await pipe.execute()
+        return None if raw is None else SpareSlot.model_validate_json(raw)
+
+    async def forget_hot(self, job_id: str) -> None:
+        """The job ended: its lapsed spares are not to come back."""
+        for member in await self.lapsed_members():
+            raw = await self.redis.get(self.key("hotreg", member))
+            if raw is None or SpareSlot.model_validate_json(raw).job_id == job_id:
+                await self.redis.srem(self.key("lapsed"), member)
+                await self.redis.delete(self.key("hotreg", member))
 
     async def job_finished(self, job_id: str, reason: str) -> JobFinishedOutcome:
         """The job's hot spares leave the pool; idle slots it held go back to idle."""

@@ -114,6 +114,8 @@ class SparePool:
         # Hot spares whose beats matter; refreshed by every sweep. Every job's heartbeats
         # arrive here, and most are not from spares: they are dropped without a Redis call.
         self._tracked: set[str] = set()
+        # Hot spares removed for lack of beats; a beat from one re-admits it (sweep-refreshed).
+        self._lapsed: set[str] = set()
         self._pending: set[asyncio.Future[None]] = set()
         # Depth checks run from RPCs, background tasks after reservations and the sweeper.
         # One at a time: a check that read the inventory earlier must not set the gauge (or
@@ -237,6 +239,7 @@ class SparePool:
         view, previous = await self.inventory.register(slot)
         if view.slot.state.value == "hot" and view.slot.member_id:
             self._tracked.add(view.slot.member_id)
+            await self.inventory.remember_hot(view.slot)
         self.log.info(
             "slot registered", extra={"slot_id": slot.slot_id, "state": view.slot.state.value}
         )
@@ -460,6 +463,8 @@ class SparePool:
             outcome = await self.inventory.job_finished(
                 event.job_id, f"job {event.job_id} finished ({event.outcome})"
             )
+            await self.inventory.forget_hot(event.job_id)
+            self._lapsed = await self.inventory.lapsed_members()
             await self._released(outcome.ended)
             if outcome.removed or outcome.freed:
                 self.log.info(
@@ -478,6 +483,10 @@ class SparePool:
             beat = Heartbeat.model_validate_json(msg.data)
         except ValidationError:
             return  # loss-tolerant stream: a malformed beat is simply not a beat
+        if beat.kind == "liveness" and beat.member_id in self._lapsed:
+            if beat.rank is None and beat.generation == 0:  # it still holds no rank
+                await self._readmit(beat)
+            return
         if beat.kind != "liveness" or beat.member_id not in self._tracked:
             # Step beats come from ranks; a spare that took a rank is no longer tracked.
             return
@@ -486,12 +495,33 @@ class SparePool:
         except Exception as exc:
             self.log.warning("heartbeat of %s not recorded: %r", beat.member_id, exc)
 
+    async def _readmit(self, beat: Heartbeat) -> None:
+        """A hot spare removed for lack of beats beats again: register it again."""
+        self._lapsed.discard(beat.member_id)
+        try:
+            slot = await self.inventory.take_lapsed(beat.member_id)
+            if slot is None or slot.job_id != beat.job_id:
+                return
+            view, _ = await self.inventory.register(slot)
+        except Exception as exc:  # a conflict (the slot was taken meanwhile) or Redis
+            self.log.warning("hot spare %s not re-admitted: %r", beat.member_id, exc)
+            return
+        self._tracked.add(beat.member_id)
+        await self.inventory.heartbeat(beat.member_id, self.settings.spare_heartbeat_timeout_s)
+        self.log.warning(
+            "hot spare back in the pool: it beats again",
+            extra={"member_id": beat.member_id, "slot_id": view.slot.slot_id},
+        )
+        await self._check_slots([view])
+
     # ----------------------------------------------------------------- sweeper
 
     async def sweep_once(self) -> None:
         """Expire due leases, drop silent hot spares, publish what ended."""
         outcome = await self.inventory.sweep()
+        await self.inventory.mark_lapsed([str(r["member_id"]) for r in outcome.removed])
         self._tracked = await self.inventory.tracked_members()
+        self._lapsed = await self.inventory.lapsed_members()
         await self._released(outcome.expired)
         for removed in outcome.removed:
             self.log.warning("hot spare left the pool: no heartbeat", extra=removed)

@@ -369,6 +369,82 @@ async def test_a_hot_spare_that_stops_heartbeating_leaves_the_pool(
         await beater
 
 
+async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus
+) -> None:
+    # A spare starved for longer than the pool waits (a loaded host importing torch) is
+    # removed; it must not stay out for good while its process lives and its job runs.
+    pool = await start_pool(
+        spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=0.5, spare_heartbeat_timeout_s=0.5
+    )
+    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j1", member_id="j1-s0"))
+
+    async def removed() -> bool:
+        try:
+            await pool.rpc("get", {"slot_id": "local:n1:0"})
+        except RpcFailed as exc:
+            return "stopped heartbeating" in exc.error.message
+        return False
+
+    await until(removed, "the silent hot spare to leave the pool")
+    stop = asyncio.Event()
+
+    async def beat() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            await bus.publish_core(
+                Subjects.heartbeat("j1"),
+                Heartbeat(
+                    event_id=f"hb-back-{n}",
+                    source="agent",
+                    job_id="j1",
+                    member_id="j1-s0",
+                    generation=0,
+                    step=-1,
+                    kind="liveness",
+                    node="n1",
+                    gpu=0,
+                    pid=1,
+                ),
+            )
+            await asyncio.sleep(0.1)
+
+    beater = asyncio.create_task(beat())
+    try:
+
+        async def back() -> bool:
+            try:
+                got = await pool.rpc("get", {"slot_id": "local:n1:0"})
+            except RpcFailed:
+                return False
+            return bool(got["state"] == "hot" and got["member_id"] == "j1-s0")
+
+        await until(back, "the beating spare to be re-admitted")
+        lease = await pool.rpc("reserve", {"job_id": "j1", "cluster": "local"})
+        assert lease["slot"]["slot_id"] == "local:n1:0"
+        await pool.rpc("release", {"lease_id": lease["lease_id"]})
+    finally:
+        stop.set()
+        await beater
+
+    # Silent again, then the job ends: its beats (a late one) no longer bring it back.
+    await until(removed, "the spare, silent again, to leave the pool")
+    await bus.publish(
+        JobFinished(
+            event_id="jf-j1", source="launcher", job_id="j1", tenant="t", outcome="succeeded"
+        ),
+        Subjects.JOB_FINISHED,
+    )
+    await asyncio.sleep(0.5)
+    stop.clear()
+    beater = asyncio.create_task(beat())
+    await asyncio.sleep(1.0)
+    stop.set()
+    await beater
+    assert await removed()
+
+
 async def test_quarantine_revokes_leases_publishes_and_pool_low_fires_below_the_floor(
     start_pool: Callable[..., Awaitable[Pool]], bus: Bus
 ) -> None:
