@@ -317,6 +317,31 @@ async def test_lemon_nodes_are_skipped_and_a_finished_job_lets_its_hot_spares_go
     await until(hot_gone, "the finished job's hot spares to leave the pool")
 
 
+async def beat_as_spare(
+    bus: Bus, stop: asyncio.Event, member_id: str, every_s: float = 0.1
+) -> None:
+    """Send a hot spare's liveness beats (job j1, node n1, gpu 0, no rank) until ``stop``."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        await bus.publish_core(
+            Subjects.heartbeat("j1"),
+            Heartbeat(
+                event_id=f"hb-{member_id}-{n}",
+                source="agent",
+                job_id="j1",
+                member_id=member_id,
+                generation=0,
+                step=-1,
+                kind="liveness",
+                node="n1",
+                gpu=0,
+                pid=1,
+            ),
+        )
+        await asyncio.sleep(every_s)
+
+
 async def test_a_hot_spare_that_stops_heartbeating_leaves_the_pool(
     start_pool: Callable[..., Awaitable[Pool]], bus: Bus
 ) -> None:
@@ -328,29 +353,7 @@ async def test_a_hot_spare_that_stops_heartbeating_leaves_the_pool(
             "register", slot_body("n1", i, state="hot", job_id="j1", member_id=f"j1-s{i}")
         )
     stop = asyncio.Event()
-
-    async def beat() -> None:  # only j1-s0 is alive
-        n = 0
-        while not stop.is_set():
-            n += 1
-            await bus.publish_core(
-                Subjects.heartbeat("j1"),
-                Heartbeat(
-                    event_id=f"hb-{n}",
-                    source="agent",
-                    job_id="j1",
-                    member_id="j1-s0",
-                    generation=0,
-                    step=-1,
-                    kind="liveness",
-                    node="n1",
-                    gpu=0,
-                    pid=1,
-                ),
-            )
-            await asyncio.sleep(0.2)
-
-    beater = asyncio.create_task(beat())
+    beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0", every_s=0.2))  # s1 is silent
     try:
 
         async def silent_one_gone() -> bool:
@@ -388,29 +391,7 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
 
     await until(removed, "the silent hot spare to leave the pool")
     stop = asyncio.Event()
-
-    async def beat() -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-            await bus.publish_core(
-                Subjects.heartbeat("j1"),
-                Heartbeat(
-                    event_id=f"hb-back-{n}",
-                    source="agent",
-                    job_id="j1",
-                    member_id="j1-s0",
-                    generation=0,
-                    step=-1,
-                    kind="liveness",
-                    node="n1",
-                    gpu=0,
-                    pid=1,
-                ),
-            )
-            await asyncio.sleep(0.1)
-
-    beater = asyncio.create_task(beat())
+    beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0"))
     try:
 
         async def back() -> bool:
@@ -438,7 +419,7 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
     )
     await asyncio.sleep(0.5)
     stop.clear()
-    beater = asyncio.create_task(beat())
+    beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0"))
     await asyncio.sleep(1.0)
     stop.set()
     await beater
