@@ -43,7 +43,7 @@ from .rules import (
 HISTORY_MAX = 200
 LEASE_TTL_MS = 24 * 3600 * 1000  # ended leases are remembered a day (idempotent replies)
 HISTORY_TTL_MS = 7 * 24 * 3600 * 1000  # history of a slot that left the pool
-HOT_REGISTRATION_TTL_S = 7 * 24 * 3600  # a hot spare's registration, kept to re-admit it
+LAPSED_KEEP_S = 7 * 24 * 3600  # a lapsed hot spare's registration, kept to re-admit it
 SWEEP_LIMIT = 256
 
 # --------------------------------------------------------------------------- Lua
@@ -533,10 +533,17 @@ return '1'
 """
 
 _SWEEP = r"""
--- ARGV: now, limit
+-- ARGV: now, limit, how long a lapsed spare's registration is kept (ms)
 local limit = tonumber(ARGV[2])
+local keep_ms = tonumber(ARGV[3])
 local expired = expire_due(limit)
 local removed = {}
+local old = redis.call('ZRANGEBYSCORE', P .. ':lapsed_at', '-inf', ms(NOW - keep_ms),
+                       'LIMIT', 0, limit)
+for _, m in ipairs(old) do
+  redis.call('HDEL', P .. ':lapsed_reg', m)
+  redis.call('ZREM', P .. ':lapsed_at', m)
+end
 local stale = redis.call('ZRANGEBYSCORE', P .. ':hb', '-inf', ms(NOW), 'LIMIT', 0, limit)
 for _, m in ipairs(stale) do
   local id = redis.call('GET', P .. ':member|' .. m)
@@ -544,6 +551,10 @@ for _, m in ipairs(stale) do
   if h and h.member_id == m and (h.state == 'hot' or h.state == 'reserved') then
     local e = remove_slot(h, 'hot spare ' .. m .. ' stopped heartbeating')
     if e then expired[#expired + 1] = e end
+    -- Its process may live on (starved, cut off): keep the registration, in the same
+    -- step as the removal, so that its next beat can bring it back (service.py).
+    redis.call('HSET', P .. ':lapsed_reg', m, cjson.encode(h))
+    redis.call('ZADD', P .. ':lapsed_at', ms(NOW), m)
     removed[#removed + 1] = {slot_id = h.slot_id, job_id = h.job_id, member_id = m,
                              cluster = h.cluster, nvlink_domain = h.nvlink_domain}
   else
@@ -1096,49 +1107,52 @@ class SpareInventory:
 
     async def sweep(self) -> SweepOutcome:
         """Expire due leases and drop hot spares whose heartbeats stopped."""
-        reply = await self._run(self._s.sweep, SWEEP_LIMIT)
+        reply = await self._run(self._s.sweep, SWEEP_LIMIT, LAPSED_KEEP_S * 1000)
         return SweepOutcome(
             expired=[LeaseEnd.from_json(e) for e in _as_list(reply.get("expired"))],
             removed=[dict(r) for r in _as_list(reply.get("removed"))],
         )
 
     # A hot spare whose beats lapsed (its process starved for seconds under load, the
-    # network cut) is removed by the sweep, but its process may well live on. Its
-    # registration is kept (``hotreg:<member>``) and the member listed (``lapsed``), so
-    # that its next beat brings it back instead of leaving the job without its spare.
-
-    async def remember_hot(self, slot: SpareSlot) -> None:
-        """Keep a hot spare's registration (to re-admit it if its beats lapse)."""
-        if slot.member_id:
-            await self.redis.set(
-                self.key("hotreg", slot.member_id),
-                slot.model_dump_json(),
-                ex=HOT_REGISTRATION_TTL_S,
-            )
-
-    async def mark_lapsed(self, member_ids: Sequence[str]) -> None:
-        """These hot spares were removed for lack of beats."""
-        if member_ids:
-            await self.redis.sadd(self.key("lapsed"), *member_ids)
+    # network cut) is removed by the sweep, but its process may well live on. The sweep
+    # keeps the removed slot's registration (``lapsed_reg``, member -> the slot's fields, for
+    # ``LAPSED_KEEP_S``) so that its next beat can bring it back instead of leaving the job
+    # without its spare (``SparePool.on_heartbeat``).
 
     async def lapsed_members(self) -> set[str]:
-        return {_str(m) for m in await self.redis.smembers(self.key("lapsed"))}
+        """The hot spares the sweep removed for lack of beats, still re-admissible."""
+        return {_str(m) for m in await self.redis.hkeys(self.key("lapsed_reg"))}
 
     async def take_lapsed(self, member_id: str) -> SpareSlot | None:
-        """The registration of a lapsed hot spare, no longer listed as lapsed (None: unknown)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.get(self.key("hotreg", member_id))
-        pipe.srem(self.key("lapsed"), member_id)
-        raw, _ = await pipe.execute()
-        return None if raw is None else SpareSlot.model_validate_json(raw)
+        """A lapsed spare's registration, no longer listed as lapsed (None: unknown).
 
-    async def forget_hot(self, job_id: str) -> None:
-        """The job ended: its lapsed spares are not to come back."""
-        for member in await self.lapsed_members():
-            raw = await self.redis.get(self.key("hotreg", member))
-            if raw is None or SpareSlot.model_validate_json(raw).job_id == job_id:
-                await self.redis.srem(self.key("lapsed"), member)
-                await self.redis.delete(self.key("hotreg", member))
+        The slot as it was registered: a hot spare of its job, whatever lease it held then
+        (the sweep revoked it).
+        """
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hget(self.key("lapsed_reg"), member_id)
+        pipe.hdel(self.key("lapsed_reg"), member_id)
+        pipe.zrem(self.key("lapsed_at"), member_id)
+        raw, _, _ = await pipe.execute()
+        if raw is None:
+            return None
+        slot = SlotView.from_hash(json.loads(raw)).slot
+        return slot.model_copy(update={"state": SpareState.HOT})
+
+    async def forget_lapsed(self, job_id: str) -> list[str]:
+        """The job ended: its lapsed spares are not to come back. Returns their members."""
+        entries = await self.redis.hgetall(self.key("lapsed_reg"))
+        gone = [
+            _str(member)
+            for member, raw in entries.items()
+            if json.loads(raw).get("job_id") == job_id
+        ]
+        if gone:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hdel(self.key("lapsed_reg"), *gone)
+            pipe.zrem(self.key("lapsed_at"), *gone)
+            await pipe.execute()
+        return gone
 
     async def job_finished(self, job_id: str, reason: str) -> JobFinishedOutcome:
         """The job's hot spares leave the pool; idle slots it held go back to idle."""

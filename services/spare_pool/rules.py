@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from torchrelay.contract import Name, SpareSlot, SpareState, Token
+from torchrelay.contract import Generation, Heartbeat, Name, SpareSlot, SpareState, Token
 
 # Candidate order of a reservation, best first (DESIGN.md §6).
 TIERS: tuple[str, ...] = ("hot", "nvlink_domain", "rack", "zone", "any")
@@ -157,6 +157,31 @@ def register_conflict(existing: SpareSlot, new: SpareSlot) -> str | None:
             f"slot {existing.slot_id} is a hot spare of job {existing.job_id}; it leaves "
             "the pool when that job finishes or its spare stops heartbeating"
         )
+    return None
+
+
+def readmission_problem(
+    beat: Heartbeat, kept: SpareSlot | None, generation: Generation | None
+) -> str | None:
+    """Why a hot spare removed for lack of beats may not come back on ``beat``; None: it may.
+
+    ``kept`` is the registration the sweep kept for it (None once its job ended or after
+    ``LAPSED_KEEP_S``); ``generation`` the job's current one, if any. It comes back only as
+    what it was: a spare of the same job that holds no rank, by its own beat and by the
+    job's generation (a spare named while it was starved is taking its rank, not waiting).
+    """
+    if kept is None:
+        return "no registration is kept for it (its job ended, or it lapsed long ago)"
+    if beat.job_id != kept.job_id:
+        return f"it beats for job {beat.job_id} but was a spare of job {kept.job_id}"
+    if beat.rank is not None or beat.generation != 0:
+        return f"it holds rank {beat.rank} in generation {beat.generation}"
+    if generation is not None:
+        rank = generation.member_rank(beat.member_id)
+        if rank is not None:
+            return (
+                f"generation {generation.generation} of job {beat.job_id} names it for rank {rank}"
+            )
     return None
 
 

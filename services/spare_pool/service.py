@@ -69,6 +69,7 @@ from .rules import (
     floor_for,
     parse_floors,
     pool_low_change,
+    readmission_problem,
     registration_problem,
 )
 
@@ -239,7 +240,6 @@ class SparePool:
         view, previous = await self.inventory.register(slot)
         if view.slot.state.value == "hot" and view.slot.member_id:
             self._tracked.add(view.slot.member_id)
-            await self.inventory.remember_hot(view.slot)
         self.log.info(
             "slot registered", extra={"slot_id": slot.slot_id, "state": view.slot.state.value}
         )
@@ -463,7 +463,7 @@ class SparePool:
             outcome = await self.inventory.job_finished(
                 event.job_id, f"job {event.job_id} finished ({event.outcome})"
             )
-            await self.inventory.forget_hot(event.job_id)
+            await self.inventory.forget_lapsed(event.job_id)
             self._lapsed = await self.inventory.lapsed_members()
             await self._released(outcome.ended)
             if outcome.removed or outcome.freed:
@@ -484,8 +484,7 @@ class SparePool:
         except ValidationError:
             return  # loss-tolerant stream: a malformed beat is simply not a beat
         if beat.kind == "liveness" and beat.member_id in self._lapsed:
-            if beat.rank is None and beat.generation == 0:  # it still holds no rank
-                await self._readmit(beat)
+            await self._readmit(beat)
             return
         if beat.kind != "liveness" or beat.member_id not in self._tracked:
             # Step beats come from ranks; a spare that took a rank is no longer tracked.
@@ -496,14 +495,28 @@ class SparePool:
             self.log.warning("heartbeat of %s not recorded: %r", beat.member_id, exc)
 
     async def _readmit(self, beat: Heartbeat) -> None:
-        """A hot spare removed for lack of beats beats again: register it again."""
+        """A hot spare removed for lack of beats beats again: register it again if it may.
+
+        Its kept registration is taken either way: a spare that may not come back now
+        (it holds a rank, its job's generation names it) is no longer waiting as a spare.
+        """
         self._lapsed.discard(beat.member_id)
         try:
-            slot = await self.inventory.take_lapsed(beat.member_id)
-            if slot is None or slot.job_id != beat.job_id:
+            kept = await self.inventory.take_lapsed(beat.member_id)
+            found = None
+            if kept is not None and kept.job_id == beat.job_id:
+                found = await self.ctx.bus.get_generation(beat.job_id)
+            problem = readmission_problem(beat, kept, found[0] if found else None)
+            if problem is not None:
+                self.log.info(
+                    "hot spare stays out of the pool: %s",
+                    problem,
+                    extra={"member_id": beat.member_id, "job_id": beat.job_id},
+                )
                 return
-            view, _ = await self.inventory.register(slot)
-        except Exception as exc:  # a conflict (the slot was taken meanwhile) or Redis
+            assert kept is not None
+            view, _ = await self.inventory.register(kept)
+        except Exception as exc:  # a conflict (the slot was taken meanwhile), Redis, NATS
             self.log.warning("hot spare %s not re-admitted: %r", beat.member_id, exc)
             return
         self._tracked.add(beat.member_id)
@@ -519,7 +532,6 @@ class SparePool:
     async def sweep_once(self) -> None:
         """Expire due leases, drop silent hot spares, publish what ended."""
         outcome = await self.inventory.sweep()
-        await self.inventory.mark_lapsed([str(r["member_id"]) for r in outcome.removed])
         self._tracked = await self.inventory.tracked_members()
         self._lapsed = await self.inventory.lapsed_members()
         await self._released(outcome.expired)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from services.spare_pool.inventory import SpareInventory
+from services.spare_pool.inventory import LAPSED_KEEP_S, SpareInventory
 from services.spare_pool.rules import ReserveRequest
 from torchrelay.bus import Conflict, NotFound
 from torchrelay.contract import SpareSlot, SpareState
@@ -298,6 +298,44 @@ async def test_a_silent_hot_spare_leaves_the_pool_and_a_beating_one_stays(
     assert not await inv.heartbeat("stranger", timeout_s=15)
     clock.advance(16)
     assert [r["member_id"] for r in (await inv.sweep()).removed] == ["j1-s0"]
+
+
+async def test_the_sweep_keeps_a_removed_spares_registration_until_taken_or_too_old(
+    inv: SpareInventory, clock: Clock
+) -> None:
+    await inv.register(spare("n1", state="hot", job_id="j1", member_id="j1-s0"))
+    await inv.register(spare("n2", state="hot", job_id="j2", member_id="j2-s0"))
+    await inv.register(spare("n3", state="hot", job_id="j1", member_id="j1-s1"))
+    reserved = (await inv.reserve(want("j1", near_node="n9", lease_s=300))).lease
+    assert reserved is not None
+    clock.advance(31)
+    assert len((await inv.sweep()).removed) == 3
+    assert await inv.lapsed_members() == {"j1-s0", "j2-s0", "j1-s1"}
+    # What comes back is the slot as registered: a hot spare of its job, no lease.
+    taken = {m: await inv.take_lapsed(m) for m in ("j1-s0", "j1-s1")}
+    for member, slot in taken.items():
+        assert slot is not None
+        assert (slot.state, slot.job_id, slot.member_id) == (SpareState.HOT, "j1", member)
+    assert {s.node for s in taken.values() if s is not None} == {"n1", "n3"}
+    assert await inv.take_lapsed("j1-s0") is None  # taken once
+    assert await inv.lapsed_members() == {"j2-s0"}
+    assert await inv.forget_lapsed("j1") == []
+    await inv.register(spare("n4", state="hot", job_id="j2", member_id="j2-s1"))
+    clock.advance(31)
+    await inv.sweep()
+    assert await inv.forget_lapsed("j2") in (["j2-s0", "j2-s1"], ["j2-s1", "j2-s0"])
+    assert await inv.lapsed_members() == set()
+    # Never re-admitted nor forgotten: dropped after LAPSED_KEEP_S.
+    await inv.register(spare("n5", state="hot", job_id="j3", member_id="j3-s0"))
+    clock.advance(31)
+    await inv.sweep()
+    clock.advance(LAPSED_KEEP_S - 1)
+    await inv.sweep()
+    assert await inv.lapsed_members() == {"j3-s0"}
+    clock.advance(2)
+    await inv.sweep()
+    assert await inv.lapsed_members() == set()
+    assert await inv.take_lapsed("j3-s0") is None
 
 
 async def test_after_its_first_beat_a_spare_gets_the_timeout_not_the_grace(

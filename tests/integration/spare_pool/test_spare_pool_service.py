@@ -19,10 +19,12 @@ from nats.aio.msg import Msg
 from services.spare_pool.service import SparePoolSettings, setup
 from torchrelay.bus import Bus, RpcFailed
 from torchrelay.contract import (
+    Generation,
     Heartbeat,
     JobFinished,
     NodeHealth,
     NodeHealthChanged,
+    RankAssignment,
     SparePoolLow,
     SpareQuarantined,
     SpareReleased,
@@ -318,18 +320,18 @@ async def test_lemon_nodes_are_skipped_and_a_finished_job_lets_its_hot_spares_go
 
 
 async def beat_as_spare(
-    bus: Bus, stop: asyncio.Event, member_id: str, every_s: float = 0.1
+    bus: Bus, stop: asyncio.Event, member_id: str, every_s: float = 0.1, job_id: str = "j1"
 ) -> None:
-    """Send a hot spare's liveness beats (job j1, node n1, gpu 0, no rank) until ``stop``."""
+    """Send a hot spare's liveness beats (node n1, gpu 0, no rank) until ``stop``."""
     n = 0
     while not stop.is_set():
         n += 1
         await bus.publish_core(
-            Subjects.heartbeat("j1"),
+            Subjects.heartbeat(job_id),
             Heartbeat(
                 event_id=f"hb-{member_id}-{n}",
                 source="agent",
-                job_id="j1",
+                job_id=job_id,
                 member_id=member_id,
                 generation=0,
                 step=-1,
@@ -424,6 +426,51 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
     stop.set()
     await beater
     assert await removed()
+
+
+async def test_a_lapsed_spare_that_its_jobs_generation_names_does_not_come_back(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus, redis: aioredis.Redis
+) -> None:
+    # Named for a rank while it was starved: its first beats still say it holds none (it
+    # has not seen the generation yet), but it is taking the rank, not waiting as a spare.
+    pool = await start_pool(
+        spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=0.5, spare_heartbeat_timeout_s=0.5
+    )
+    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j7", member_id="j7-s0"))
+
+    async def lapsed() -> bool:
+        return bool(await redis.hexists("tr:spare_pool:lapsed_reg", "j7-s0"))
+
+    await until(lapsed, "the silent hot spare to be removed and its registration kept")
+    await bus.put_generation(
+        Generation(
+            job_id="j7",
+            generation=2,
+            world_size=2,
+            ranks=[
+                RankAssignment(rank=0, member_id="j7-w0", node="n0", gpu=0),
+                RankAssignment(rank=1, member_id="j7-s0", node="n1", gpu=0),
+            ],
+            store_member="j7-w0",
+            store_addr="127.0.0.1:1",
+        ),
+        None,
+    )
+    stop = asyncio.Event()
+    beater = asyncio.create_task(beat_as_spare(bus, stop, "j7-s0", job_id="j7"))
+    try:
+
+        async def taken() -> bool:
+            return not await lapsed()
+
+        await until(taken, "the pool to act on the lapsed spare's beat")
+        await asyncio.sleep(0.5)  # the handler's last step would be the registration
+    finally:
+        stop.set()
+        await beater
+    gone = await pool.error("get", {"slot_id": "local:n1:0"})
+    assert gone.error.code == "not_found"
+    assert not await redis.zscore("tr:spare_pool:lapsed_at", "j7-s0")
 
 
 async def test_quarantine_revokes_leases_publishes_and_pool_low_fires_below_the_floor(

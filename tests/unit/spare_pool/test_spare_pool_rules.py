@@ -15,10 +15,11 @@ from services.spare_pool.rules import (
     parse_floors,
     pick_spare,
     pool_low_change,
+    readmission_problem,
     register_conflict,
     registration_problem,
 )
-from torchrelay.contract import SpareSlot, SpareState
+from torchrelay.contract import Generation, Heartbeat, RankAssignment, SpareSlot, SpareState
 
 NEAR = Topology(nvlink_domain="nvl-a", rack="rack-1", zone="z1")
 
@@ -216,3 +217,60 @@ def test_public_surface_is_pinned() -> None:
         "setup",
     ]
     assert all(hasattr(pool, name) for name in pool.__all__)
+
+
+# --------------------------------------------------------------------------- re-admission
+
+
+def _beat(job: str = "j1", rank: int | None = None, generation: int = 0) -> Heartbeat:
+    return Heartbeat(
+        event_id="hb-1",
+        source="agent",
+        job_id=job,
+        member_id="j1-s0",
+        rank=rank,
+        generation=generation,
+        step=-1,
+        kind="liveness",
+        node="n1",
+        gpu=0,
+        pid=1,
+    )
+
+
+def _generation(members: list[str]) -> Generation:
+    return Generation(
+        job_id="j1",
+        generation=3,
+        world_size=len(members),
+        ranks=[
+            RankAssignment(rank=i, member_id=m, node="n0", gpu=i) for i, m in enumerate(members)
+        ],
+        store_member=members[0],
+        store_addr="127.0.0.1:1",
+    )
+
+
+KEPT = _slot("c1:n1:0", "n1", state=SpareState.HOT, job_id="j1")
+
+
+def test_a_lapsed_spare_that_still_waits_as_its_jobs_spare_comes_back() -> None:
+    assert readmission_problem(_beat(), KEPT, _generation(["j1-w0", "j1-w1"])) is None
+    assert readmission_problem(_beat(), KEPT, None) is None  # the job has not formed yet
+
+
+@pytest.mark.parametrize(
+    ("beat", "kept", "generation", "named"),
+    [
+        (_beat(), None, None, "no registration is kept"),
+        (_beat(job="j2"), KEPT, None, "beats for job j2 but was a spare of job j1"),
+        (_beat(rank=1, generation=3), KEPT, None, "holds rank 1 in generation 3"),
+        (_beat(), KEPT, _generation(["j1-w0", "j1-s0"]), "generation 3 of job j1 names it"),
+    ],
+)
+def test_a_lapsed_spare_stays_out_unless_it_is_still_a_waiting_spare_of_its_job(
+    beat: Heartbeat, kept: SpareSlot | None, generation: Generation | None, named: str
+) -> None:
+    problem = readmission_problem(beat, kept, generation)
+    assert problem is not None
+    assert named in problem
