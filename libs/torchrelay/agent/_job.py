@@ -51,6 +51,7 @@ from torchrelay.agent._state import (
     receive_targets,
     split_by_arrival,
     state_digest,
+    warm_serialization,
 )
 from torchrelay.contract import (
     EXIT_APPLICATION_ERROR,
@@ -210,6 +211,7 @@ class Job:
         )
         self._net.watch_generation(self.job_id, self._on_generation)
         self._net.start_every(LIVENESS_INTERVAL_S, self._liveness)
+        warm_serialization()  # not on the first recovery's path
 
     # ------------------------------------------------------------------ properties
 
