@@ -1123,21 +1123,24 @@ class SpareInventory:
         """The hot spares the sweep removed for lack of beats, still re-admissible."""
         return {_str(m) for m in await self.redis.hkeys(self.key("lapsed_reg"))}
 
-    async def take_lapsed(self, member_id: str) -> SpareSlot | None:
-        """A lapsed spare's registration, no longer listed as lapsed (None: unknown).
+    async def lapsed(self, member_id: str) -> SpareSlot | None:
+        """A lapsed spare's kept registration (None: none is kept).
 
         The slot as it was registered: a hot spare of its job, whatever lease it held then
         (the sweep revoked it).
         """
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hget(self.key("lapsed_reg"), member_id)
-        pipe.hdel(self.key("lapsed_reg"), member_id)
-        pipe.zrem(self.key("lapsed_at"), member_id)
-        raw, _, _ = await pipe.execute()
+        raw = await self.redis.hget(self.key("lapsed_reg"), member_id)
         if raw is None:
             return None
         slot = SlotView.from_hash(json.loads(raw)).slot
         return slot.model_copy(update={"state": SpareState.HOT})
+
+    async def forget_lapsed_member(self, member_id: str) -> None:
+        """A lapsed spare came back, or may no longer: its registration is not kept."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hdel(self.key("lapsed_reg"), member_id)
+        pipe.zrem(self.key("lapsed_at"), member_id)
+        await pipe.execute()
 
     async def forget_lapsed(self, job_id: str) -> list[str]:
         """The job ended: its lapsed spares are not to come back. Returns their members."""

@@ -38,7 +38,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 from pydantic import Field, ValidationError
 
-from torchrelay.bus import Delivery, NotFound, RequestInvalid
+from torchrelay.bus import Conflict, Delivery, NotFound, RequestInvalid
 from torchrelay.contract import (
     Event,
     Heartbeat,
@@ -497,17 +497,20 @@ class SparePool:
     async def _readmit(self, beat: Heartbeat) -> None:
         """A hot spare removed for lack of beats beats again: register it again if it may.
 
-        Its kept registration is taken either way: a spare that may not come back now
-        (it holds a rank, its job's generation names it) is no longer waiting as a spare.
+        A spare that may not come back (it holds a rank, its job's generation names it) is
+        no longer waiting as a spare: its kept registration is dropped. One that may, and
+        whose registration fails (Redis, the slot taken meanwhile), keeps it for its next
+        beat after the next sweep.
         """
-        self._lapsed.discard(beat.member_id)
+        self._lapsed.discard(beat.member_id)  # listed again by the next sweep if kept
         try:
-            kept = await self.inventory.take_lapsed(beat.member_id)
+            kept = await self.inventory.lapsed(beat.member_id)
             found = None
-            if kept is not None and kept.job_id == beat.job_id:
+            if kept is not None and beat.rank is None and beat.job_id == kept.job_id:
                 found = await self.ctx.bus.get_generation(beat.job_id)
             problem = readmission_problem(beat, kept, found[0] if found else None)
             if problem is not None:
+                await self.inventory.forget_lapsed_member(beat.member_id)
                 self.log.info(
                     "hot spare stays out of the pool: %s",
                     problem,
@@ -515,8 +518,14 @@ class SparePool:
                 )
                 return
             assert kept is not None
-            view, _ = await self.inventory.register(kept)
-        except Exception as exc:  # a conflict (the slot was taken meanwhile), Redis, NATS
+            try:
+                view, _ = await self.inventory.register(kept)
+            except Conflict as exc:  # its slot was registered again meanwhile, for good
+                await self.inventory.forget_lapsed_member(beat.member_id)
+                self.log.warning("hot spare %s not re-admitted: %s", beat.member_id, exc)
+                return
+            await self.inventory.forget_lapsed_member(beat.member_id)
+        except Exception as exc:  # Redis or NATS: its next beat after the next sweep retries
             self.log.warning("hot spare %s not re-admitted: %r", beat.member_id, exc)
             return
         self._tracked.add(beat.member_id)

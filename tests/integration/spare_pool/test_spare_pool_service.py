@@ -473,6 +473,37 @@ async def test_a_lapsed_spare_that_its_jobs_generation_names_does_not_come_back(
     assert not await redis.zscore("tr:spare_pool:lapsed_at", "j7-s0")
 
 
+async def test_a_lapsed_spare_whose_slot_was_registered_again_stays_out_for_good(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus, redis: aioredis.Redis
+) -> None:
+    pool = await start_pool(
+        spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=0.5, spare_heartbeat_timeout_s=0.5
+    )
+    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j1", member_id="j1-s0"))
+
+    async def lapsed() -> bool:
+        return bool(await redis.hexists("tr:spare_pool:lapsed_reg", "j1-s0"))
+
+    await until(lapsed, "the silent hot spare to be removed and its registration kept")
+    # Meanwhile the GPU became another job's hot spare (an idle one would simply be taken
+    # back: the lapsed spare's process still runs on it).
+    stop = asyncio.Event()
+    other = asyncio.create_task(beat_as_spare(bus, stop, "j9-s0", job_id="j9"))
+    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j9", member_id="j9-s0"))
+    beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0"))
+    try:
+
+        async def dropped() -> bool:
+            return not await lapsed()
+
+        await until(dropped, "the pool to drop the registration it cannot restore")
+        slot = await pool.rpc("get", {"slot_id": "local:n1:0"})
+    finally:
+        stop.set()
+        await asyncio.gather(beater, other)
+    assert (slot["state"], slot["job_id"], slot["member_id"]) == ("hot", "j9", "j9-s0")
+
+
 async def test_quarantine_revokes_leases_publishes_and_pool_low_fires_below_the_floor(
     start_pool: Callable[..., Awaitable[Pool]], bus: Bus
 ) -> None:
