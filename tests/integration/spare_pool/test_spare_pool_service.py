@@ -428,20 +428,31 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
     assert await removed()
 
 
+async def lapse(
+    start_pool: Callable[..., Awaitable[Pool]], redis: aioredis.Redis, job: str, member: str
+) -> tuple[Pool, Callable[[], Awaitable[bool]]]:
+    """A pool whose hot spare ``member`` (of ``job``, on n1 gpu 0) was removed for silence.
+
+    Returns the pool and a check: whether the pool still keeps the spare's registration.
+    """
+    pool = await start_pool(
+        spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=0.5, spare_heartbeat_timeout_s=0.5
+    )
+    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id=job, member_id=member))
+
+    async def kept() -> bool:
+        return bool(await redis.hexists("tr:spare_pool:lapsed_reg", member))
+
+    await until(kept, "the silent hot spare to be removed and its registration kept")
+    return pool, kept
+
+
 async def test_a_lapsed_spare_that_its_jobs_generation_names_does_not_come_back(
     start_pool: Callable[..., Awaitable[Pool]], bus: Bus, redis: aioredis.Redis
 ) -> None:
     # Named for a rank while it was starved: its first beats still say it holds none (it
     # has not seen the generation yet), but it is taking the rank, not waiting as a spare.
-    pool = await start_pool(
-        spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=0.5, spare_heartbeat_timeout_s=0.5
-    )
-    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j7", member_id="j7-s0"))
-
-    async def lapsed() -> bool:
-        return bool(await redis.hexists("tr:spare_pool:lapsed_reg", "j7-s0"))
-
-    await until(lapsed, "the silent hot spare to be removed and its registration kept")
+    pool, lapsed = await lapse(start_pool, redis, "j7", "j7-s0")
     await bus.put_generation(
         Generation(
             job_id="j7",
@@ -476,15 +487,7 @@ async def test_a_lapsed_spare_that_its_jobs_generation_names_does_not_come_back(
 async def test_a_lapsed_spare_whose_slot_was_registered_again_stays_out_for_good(
     start_pool: Callable[..., Awaitable[Pool]], bus: Bus, redis: aioredis.Redis
 ) -> None:
-    pool = await start_pool(
-        spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=0.5, spare_heartbeat_timeout_s=0.5
-    )
-    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j1", member_id="j1-s0"))
-
-    async def lapsed() -> bool:
-        return bool(await redis.hexists("tr:spare_pool:lapsed_reg", "j1-s0"))
-
-    await until(lapsed, "the silent hot spare to be removed and its registration kept")
+    pool, lapsed = await lapse(start_pool, redis, "j1", "j1-s0")
     # Meanwhile the GPU became another job's hot spare (an idle one would simply be taken
     # back: the lapsed spare's process still runs on it).
     stop = asyncio.Event()
