@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -319,6 +320,11 @@ async def test_lemon_nodes_are_skipped_and_a_finished_job_lets_its_hot_spares_go
     await until(hot_gone, "the finished job's hot spares to leave the pool")
 
 
+def fresh_job() -> str:
+    """A job id no other test used: the generations bucket outlives each test."""
+    return f"ra{uuid.uuid4().hex[:10]}"
+
+
 async def beat_as_spare(
     bus: Bus, stop: asyncio.Event, member_id: str, every_s: float = 0.1, job_id: str = "j1"
 ) -> None:
@@ -379,10 +385,11 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
 ) -> None:
     # A spare starved for longer than the pool waits (a loaded host importing torch) is
     # removed; it must not stay out for good while its process lives and its job runs.
+    job = fresh_job()
     pool = await start_pool(
         spare_sweep_interval_s=0.1, spare_heartbeat_grace_s=0.5, spare_heartbeat_timeout_s=0.5
     )
-    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j1", member_id="j1-s0"))
+    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id=job, member_id=f"{job}-s0"))
 
     async def removed() -> bool:
         try:
@@ -393,7 +400,7 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
 
     await until(removed, "the silent hot spare to leave the pool")
     stop = asyncio.Event()
-    beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0"))
+    beater = asyncio.create_task(beat_as_spare(bus, stop, f"{job}-s0", job_id=job))
     try:
 
         async def back() -> bool:
@@ -401,10 +408,10 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
                 got = await pool.rpc("get", {"slot_id": "local:n1:0"})
             except RpcFailed:
                 return False
-            return bool(got["state"] == "hot" and got["member_id"] == "j1-s0")
+            return bool(got["state"] == "hot" and got["member_id"] == f"{job}-s0")
 
         await until(back, "the beating spare to be re-admitted")
-        lease = await pool.rpc("reserve", {"job_id": "j1", "cluster": "local"})
+        lease = await pool.rpc("reserve", {"job_id": job, "cluster": "local"})
         assert lease["slot"]["slot_id"] == "local:n1:0"
         await pool.rpc("release", {"lease_id": lease["lease_id"]})
     finally:
@@ -415,13 +422,13 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
     await until(removed, "the spare, silent again, to leave the pool")
     await bus.publish(
         JobFinished(
-            event_id="jf-j1", source="launcher", job_id="j1", tenant="t", outcome="succeeded"
+            event_id=f"jf-{job}", source="launcher", job_id=job, tenant="t", outcome="succeeded"
         ),
         Subjects.JOB_FINISHED,
     )
     await asyncio.sleep(0.5)
     stop.clear()
-    beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0"))
+    beater = asyncio.create_task(beat_as_spare(bus, stop, f"{job}-s0", job_id=job))
     await asyncio.sleep(1.0)
     stop.set()
     await beater
@@ -452,23 +459,24 @@ async def test_a_lapsed_spare_that_its_jobs_generation_names_does_not_come_back(
 ) -> None:
     # Named for a rank while it was starved: its first beats still say it holds none (it
     # has not seen the generation yet), but it is taking the rank, not waiting as a spare.
-    pool, lapsed = await lapse(start_pool, redis, "j7", "j7-s0")
+    job = fresh_job()
+    pool, lapsed = await lapse(start_pool, redis, job, f"{job}-s0")
     await bus.put_generation(
         Generation(
-            job_id="j7",
+            job_id=job,
             generation=2,
             world_size=2,
             ranks=[
-                RankAssignment(rank=0, member_id="j7-w0", node="n0", gpu=0),
-                RankAssignment(rank=1, member_id="j7-s0", node="n1", gpu=0),
+                RankAssignment(rank=0, member_id=f"{job}-w0", node="n0", gpu=0),
+                RankAssignment(rank=1, member_id=f"{job}-s0", node="n1", gpu=0),
             ],
-            store_member="j7-w0",
+            store_member=f"{job}-w0",
             store_addr="127.0.0.1:1",
         ),
         None,
     )
     stop = asyncio.Event()
-    beater = asyncio.create_task(beat_as_spare(bus, stop, "j7-s0", job_id="j7"))
+    beater = asyncio.create_task(beat_as_spare(bus, stop, f"{job}-s0", job_id=job))
     try:
 
         async def taken() -> bool:
@@ -481,19 +489,22 @@ async def test_a_lapsed_spare_that_its_jobs_generation_names_does_not_come_back(
         await beater
     gone = await pool.error("get", {"slot_id": "local:n1:0"})
     assert gone.error.code == "not_found"
-    assert not await redis.zscore("tr:spare_pool:lapsed_at", "j7-s0")
+    assert not await redis.zscore("tr:spare_pool:lapsed_at", f"{job}-s0")
 
 
 async def test_a_lapsed_spare_whose_slot_was_registered_again_stays_out_for_good(
     start_pool: Callable[..., Awaitable[Pool]], bus: Bus, redis: aioredis.Redis
 ) -> None:
-    pool, lapsed = await lapse(start_pool, redis, "j1", "j1-s0")
+    job, other_job = fresh_job(), fresh_job()
+    pool, lapsed = await lapse(start_pool, redis, job, f"{job}-s0")
     # Meanwhile the GPU became another job's hot spare (an idle one would simply be taken
     # back: the lapsed spare's process still runs on it).
     stop = asyncio.Event()
-    other = asyncio.create_task(beat_as_spare(bus, stop, "j9-s0", job_id="j9"))
-    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="j9", member_id="j9-s0"))
-    beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0"))
+    other = asyncio.create_task(beat_as_spare(bus, stop, f"{other_job}-s0", job_id=other_job))
+    await pool.rpc(
+        "register", slot_body("n1", 0, state="hot", job_id=other_job, member_id=f"{other_job}-s0")
+    )
+    beater = asyncio.create_task(beat_as_spare(bus, stop, f"{job}-s0", job_id=job))
     try:
 
         async def dropped() -> bool:
@@ -504,7 +515,11 @@ async def test_a_lapsed_spare_whose_slot_was_registered_again_stays_out_for_good
     finally:
         stop.set()
         await asyncio.gather(beater, other)
-    assert (slot["state"], slot["job_id"], slot["member_id"]) == ("hot", "j9", "j9-s0")
+    assert (slot["state"], slot["job_id"], slot["member_id"]) == (
+        "hot",
+        other_job,
+        f"{other_job}-s0",
+    )
 
 
 async def test_quarantine_revokes_leases_publishes_and_pool_low_fires_below_the_floor(
