@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from torchrelay.bus import Bus
+from torchrelay.contract import GENERATIONS_BUCKET
 from torchrelay.runtime import ServerProcess, nats_server, redis_server
 
 
@@ -78,10 +79,12 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 @pytest.fixture
 async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    """A bus connection with the streams provisioned and cleared of earlier tests' events."""
+    """A bus connection with the streams provisioned and cleared of earlier tests' events
+    and generations (a test's job ids are then its own, like its Redis keys)."""
     b = await Bus.connect(nats_url, "test")
     await b.provision_streams()
-    for stream in ("TR_EVENTS", "TR_DLQ"):
+    await b.generations()  # the bucket exists before its stream is purged
+    for stream in ("TR_EVENTS", "TR_DLQ", f"KV_{GENERATIONS_BUCKET}"):
         await b.js.purge_stream(stream)
     yield b
     await b.close()

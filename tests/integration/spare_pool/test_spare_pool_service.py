@@ -321,7 +321,7 @@ async def test_lemon_nodes_are_skipped_and_a_finished_job_lets_its_hot_spares_go
 
 
 def fresh_job() -> str:
-    """A job id no other test used: the generations bucket outlives each test."""
+    """A job id of this test's alone (its generation must be the only one the pool reads)."""
     return f"ra{uuid.uuid4().hex[:10]}"
 
 
