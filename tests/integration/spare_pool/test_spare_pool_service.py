@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -320,6 +321,15 @@ async def test_lemon_nodes_are_skipped_and_a_finished_job_lets_its_hot_spares_go
     await until(hot_gone, "the finished job's hot spares to leave the pool")
 
 
+async def left_for_silence(pool: Pool, slot_id: str) -> bool:
+    """Whether the slot left the pool because its hot spare stopped heartbeating."""
+    try:
+        await pool.rpc("get", {"slot_id": slot_id})
+    except RpcFailed as exc:
+        return "stopped heartbeating" in exc.error.message
+    return False
+
+
 def fresh_job() -> str:
     """A job id of this test's alone (its generation must be the only one the pool reads)."""
     return f"ra{uuid.uuid4().hex[:10]}"
@@ -363,15 +373,10 @@ async def test_a_hot_spare_that_stops_heartbeating_leaves_the_pool(
     stop = asyncio.Event()
     beater = asyncio.create_task(beat_as_spare(bus, stop, "j1-s0", every_s=0.2))  # s1 is silent
     try:
-
-        async def silent_one_gone() -> bool:
-            try:
-                await pool.rpc("get", {"slot_id": "local:n1:1"})
-            except RpcFailed as exc:
-                return "stopped heartbeating" in exc.error.message
-            return False
-
-        await until(silent_one_gone, "the silent hot spare to leave the pool")
+        await until(
+            functools.partial(left_for_silence, pool, "local:n1:1"),
+            "the silent hot spare to leave the pool",
+        )
         # Both were registered together, so the grace is over for both: beats keep j1-s0.
         alive = await pool.rpc("get", {"slot_id": "local:n1:0"})
         assert alive["state"] == "hot"
@@ -391,13 +396,7 @@ async def test_a_hot_spare_whose_beats_resume_comes_back_until_its_job_ends(
     )
     await pool.rpc("register", slot_body("n1", 0, state="hot", job_id=job, member_id=f"{job}-s0"))
 
-    async def removed() -> bool:
-        try:
-            await pool.rpc("get", {"slot_id": "local:n1:0"})
-        except RpcFailed as exc:
-            return "stopped heartbeating" in exc.error.message
-        return False
-
+    removed = functools.partial(left_for_silence, pool, "local:n1:0")
     await until(removed, "the silent hot spare to leave the pool")
     stop = asyncio.Event()
     beater = asyncio.create_task(beat_as_spare(bus, stop, f"{job}-s0", job_id=job))
