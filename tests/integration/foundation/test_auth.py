@@ -282,14 +282,34 @@ async def test_generation_put_reaches_the_job_live(
         seen: list[bytes] = []
         await agent.nc.subscribe("$KV.tr_generations.job-live", cb=_collect(seen))
         await agent.nc.flush()
-        revision = await plane.executor.put_generation(_generation("job-live", 1), None)
-        await plane.executor.put_generation(_generation("job-live", 2), revision)
-        await _wait(lambda: len(seen) >= 2, "both puts seen live by the job")
-        assert Generation.model_validate_json(seen[-1]).generation == 2
+        revision: int | None = None
+        number = 0
+        # CI once saw fewer than both puts within 5 s (not reproduced here: 8 runs of this
+        # module and 12 of the test passed). A put made while the job's connection is down is
+        # not delivered live, by design (the agent's periodic read covers it): such a round
+        # does not count; a round without a reconnect must see both puts, within 15 s.
+        outcome = "no round ran"
+        for _round in range(3):
+            seen.clear()
+            reconnects = agent.nc.stats["reconnects"]
+            for _ in range(2):
+                number += 1
+                revision = await plane.executor.put_generation(
+                    _generation("job-live", number), revision
+                )
+            outcome = await _wait_for_puts(seen, 2, timeout=15.0)
+            if not outcome:
+                break
+            assert agent.nc.stats["reconnects"] != reconnects, (
+                f"{outcome} without a reconnect (connection stats {dict(agent.nc.stats)})"
+            )
+        assert not outcome, f"{outcome}, in every round (each had a reconnect)"
+        assert revision is not None
+        assert Generation.model_validate_json(seen[-1]).generation == number
         found = await agent.get_generation("job-live")
         assert found is not None
-        assert found[0].generation == 2
-        assert found[1] > revision
+        assert found[0].generation == number
+        assert found[1] == revision
         assert not agent.refusals
     finally:
         await agent.close()
@@ -459,6 +479,16 @@ def _collect(into: list[bytes]) -> Any:
 
 async def _ignore(_exc: Exception) -> None:
     return None
+
+
+async def _wait_for_puts(seen: list[bytes], count: int, timeout: float) -> str:
+    """Wait for ``count`` messages; what was missing ("" when all came)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(seen) < count:
+        await asyncio.sleep(0.05)
+    if len(seen) >= count:
+        return ""
+    return f"the job saw {len(seen)} of {count} generation puts live in {timeout:g}s"
 
 
 async def _wait(predicate: Any, what: str, timeout: float = 5.0) -> None:
