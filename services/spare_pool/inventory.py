@@ -22,6 +22,7 @@ different hosts agree on when a lease expires.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ LEASE_TTL_MS = 24 * 3600 * 1000  # ended leases are remembered a day (idempotent
 HISTORY_TTL_MS = 7 * 24 * 3600 * 1000  # history of a slot that left the pool
 LAPSED_KEEP_S = 7 * 24 * 3600  # a lapsed hot spare's registration, kept to re-admit it
 SWEEP_LIMIT = 256
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- Lua
 
@@ -630,6 +633,15 @@ def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _lapsed_view(raw: Any) -> SlotView | None:
+    """A kept registration (the slot hash as JSON), or None when it cannot be read."""
+    try:
+        decoded = json.loads(raw)
+        return SlotView.from_hash(decoded) if isinstance(decoded, dict) else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 @dataclass(frozen=True)
 class SlotView:
     """A slot as stored: the contract's SpareSlot plus the pool's bookkeeping."""
@@ -1127,13 +1139,22 @@ class SpareInventory:
         """A lapsed spare's kept registration (None: none is kept).
 
         The slot as it was registered: a hot spare of its job, whatever lease it held then
-        (the sweep revoked it).
+        (the sweep revoked it). A kept entry that cannot be read (edited or corrupted in
+        Redis) is dropped, with a warning naming it: it could never be re-admitted.
         """
         raw = await self.redis.hget(self.key("lapsed_reg"), member_id)
         if raw is None:
             return None
-        slot = SlotView.from_hash(json.loads(raw)).slot
-        return slot.model_copy(update={"state": SpareState.HOT})
+        view = _lapsed_view(raw)
+        if view is None:
+            log.warning(
+                "dropping the unreadable kept registration of lapsed spare %s: %r",
+                member_id,
+                raw[:200],
+            )
+            await self.forget_lapsed_member(member_id)
+            return None
+        return view.slot.model_copy(update={"state": SpareState.HOT})
 
     async def forget_lapsed_member(self, member_id: str) -> None:
         """A lapsed spare came back, or may no longer: its registration is not kept."""
@@ -1143,17 +1164,25 @@ class SpareInventory:
         await pipe.execute()
 
     async def forget_lapsed(self, job_id: str) -> list[str]:
-        """The job ended: its lapsed spares are not to come back. Returns their members."""
+        """The job ended: its lapsed spares are not to come back. Returns their members.
+
+        Unreadable kept entries (see :meth:`lapsed`) are dropped too, not returned.
+        """
         entries = await self.redis.hgetall(self.key("lapsed_reg"))
-        gone = [
-            _str(member)
-            for member, raw in entries.items()
-            if json.loads(raw).get("job_id") == job_id
-        ]
-        if gone:
+        gone: list[str] = []
+        unreadable: list[str] = []
+        for member, raw in entries.items():
+            view = _lapsed_view(raw)
+            if view is None:
+                unreadable.append(_str(member))
+            elif view.slot.job_id == job_id:
+                gone.append(_str(member))
+        if unreadable:
+            log.warning("dropping unreadable kept registrations of lapsed spares %s", unreadable)
+        if gone or unreadable:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.hdel(self.key("lapsed_reg"), *gone)
-            pipe.zrem(self.key("lapsed_at"), *gone)
+            pipe.hdel(self.key("lapsed_reg"), *gone, *unreadable)
+            pipe.zrem(self.key("lapsed_at"), *gone, *unreadable)
             await pipe.execute()
         return gone
 

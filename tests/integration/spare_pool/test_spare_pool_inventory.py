@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import pytest
 import redis.asyncio as aioredis
@@ -338,6 +340,27 @@ async def test_the_sweep_keeps_a_removed_spares_registration_until_taken_or_too_
     await inv.sweep()
     assert await inv.lapsed_members() == set()
     assert await inv.lapsed("j3-s0") is None
+
+
+async def test_an_unreadable_kept_registration_is_dropped_not_retried(
+    inv: SpareInventory, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    await inv.register(spare("n1", state="hot", job_id="j1", member_id="j1-s0"))
+    await inv.register(spare("n2", state="hot", job_id="j2", member_id="j2-s0"))
+    clock.advance(31)
+    assert len((await inv.sweep()).removed) == 2
+    key = inv.key("lapsed_reg")
+    await inv.redis.hset(key, "j1-s0", b"{not json")
+    await inv.redis.hset(key, "j2-s0", json.dumps({"slot_id": "c1:n2:0"}))  # no node, no gpu
+    await inv.redis.hset(key, "j9-s0", json.dumps(["a", "list"]))
+    with caplog.at_level(logging.WARNING, logger="services.spare_pool.inventory"):
+        assert await inv.lapsed("j1-s0") is None
+    assert "j1-s0" in caplog.text
+    assert await inv.lapsed_members() == {"j2-s0", "j9-s0"}
+    # The job's end drops the unreadable entries of every job, returning only its own.
+    assert await inv.forget_lapsed("j7") == []
+    assert await inv.lapsed_members() == set()
+    assert await inv.redis.hlen(key) == 0
 
 
 async def test_after_its_first_beat_a_spare_gets_the_timeout_not_the_grace(

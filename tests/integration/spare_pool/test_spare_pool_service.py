@@ -103,10 +103,13 @@ async def start_pool(
         return Pool(bus, ports[0])
 
     yield start
-    for stop, task in stops:
+    for stop, _task in stops:
         stop.set()
+    for _stop, task in stops:
+        # Its drain takes well under a second alone; 30 s covers a machine busy with other
+        # suites (15 s once ran out while `make chaos` ran alongside).
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 15)
+            await asyncio.wait_for(task, 30)
 
 
 class EventTap:
