@@ -199,6 +199,7 @@ class Delivery:
 
 JOB_USER_PREFIX = "job."
 JOB_INBOX_PREFIX = "_INBOX_"
+NO_RESPONDER_GRACE_S = 1.0  # how long a request retries while nobody serves its subject
 AUTH_GRACE_S = 3.0  # how long a connect goes on while the server refuses the credential
 
 
@@ -723,6 +724,10 @@ class Bus:
     ) -> Any:
         """Send a request and return the reply's ``result``.
 
+        A subject nobody serves is asked again for up to ``NO_RESPONDER_GRACE_S`` (within
+        ``timeout``) before :class:`NoResponder`: a service restarting, or just started,
+        answers the retry.
+
         Raises:
             NoResponder: nobody answered within ``timeout`` (the message names the subject).
             RpcFailed: the service answered with an error.
@@ -731,10 +736,25 @@ class Bus:
             data = payload.model_dump_json().encode()
         else:
             data = json.dumps(payload or {}, default=str).encode()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # The server answers "no responders" at once. A service that is restarting (or
+        # whose subscription the server has not matched yet) is asked again for a moment.
+        grace_end = started + min(timeout, NO_RESPONDER_GRACE_S)
+        pause = 0.05
         try:
-            msg = await self.nc.request(subject, data, timeout=timeout, headers=inject_headers())
-        except nats.errors.NoRespondersError as exc:
-            raise NoResponder(f"no service answers {subject}: is it running?") from exc
+            while True:
+                remaining = max(0.001, timeout - (loop.time() - started))
+                try:
+                    msg = await self.nc.request(
+                        subject, data, timeout=remaining, headers=inject_headers()
+                    )
+                    break
+                except nats.errors.NoRespondersError as exc:
+                    if loop.time() + pause > grace_end:
+                        raise NoResponder(f"no service answers {subject}: is it running?") from exc
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 0.25)
         except (nats.errors.TimeoutError, TimeoutError) as exc:
             refused = self.refused(subject)
             if refused:
