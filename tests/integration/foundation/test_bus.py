@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -224,6 +225,29 @@ async def test_restarted_consumer_resumes_where_it_left_off(nats_url: str, bus: 
     # The message in flight when the first consumer died (evt-12) is redelivered after
     # ack_wait, so it may come after the newer ones; nothing acked is seen again.
     assert sorted(second) == ["evt-12", "evt-13", "evt-14"]
+
+
+async def test_a_request_sent_just_before_its_service_subscribes_is_answered(
+    bus: Bus, nats_url: str
+) -> None:
+    """A service restarting (or just started) answers the retry of a "no responders"."""
+    late = await Bus.connect(nats_url, "late-service")
+
+    async def echo(body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    async def serve_later() -> None:
+        await asyncio.sleep(0.3)
+        await late.serve("late", "echo", echo)
+
+    serving = asyncio.create_task(serve_later())
+    try:
+        answer = await bus.request(Subjects.rpc("late", "echo"), {"n": 7}, timeout=5.0)
+        assert answer == {"n": 7}
+        assert serving.done()
+    finally:
+        await serving
+        await late.close()
 
 
 async def test_request_without_responder_fails_in_deadline_naming_subject(bus: Bus) -> None:
