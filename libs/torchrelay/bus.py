@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import ssl
 import time
@@ -387,6 +388,33 @@ class Bus:
             f"NATS_URL {url} refused the connection ({type(last).__name__}: {last}); start it "
             "with 'torchrelay up' or unset NATS_URL to use the embedded server"
         )
+
+    async def confirm(self, timeout: float = 5.0) -> None:
+        """Return once the server has processed everything sent on this connection so far
+        (a subscription just made included).
+
+        nats-py's ``flush()`` writes its PING straight to the socket, ahead of commands still
+        in the client's write buffer (a SUB just made sits there until the background
+        flusher runs), so its PONG alone does not prove them processed. The buffer is
+        written out first, then the PING/PONG round trip.
+
+        Raises:
+            BusError: no confirmation within ``timeout`` (the server is gone or overloaded).
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                write_out = getattr(self.nc, "_flush_pending", None)
+                if write_out is not None:
+                    await write_out(force_flush=True)
+                else:  # another nats-py: wait until its write buffer is empty
+                    while self.nc.pending_data_size > 0:  # noqa: ASYNC110 (no event to await)
+                        await asyncio.sleep(0.001)
+                await self.nc.flush(timeout=max(1, math.ceil(timeout)))
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(
+                f"NATS did not confirm what {self.service} sent within {timeout:g}s "
+                f"({type(exc).__name__}: {exc}); is the server at NATS_URL overloaded or gone?"
+            ) from exc
 
     def refused(self, subject: str) -> str | None:
         """The server's latest permission violation naming ``subject``, if any."""

@@ -749,6 +749,9 @@ class Launcher:
             self._subs.append(
                 await self.bus.nc.subscribe(Subjects.MIGRATION_FAILED, cb=self._on_migration_failed)
             )
+            # The control plane may fence or ask for a spare as soon as the job registers:
+            # the server must have these subscriptions first.
+            await self.bus.confirm()
             await self._start_node_agents()
             await self._spawn_all()
             (o.run_dir / "launcher.json").write_text(

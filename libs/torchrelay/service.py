@@ -217,7 +217,7 @@ async def serve_service(
         await setup(ctx)
         # Ready means reachable: the server has every subscription the setup made (a
         # request sent the moment readiness shows would otherwise find no responder).
-        await _flush(bus, settings.connect_timeout_s)
+        await bus.confirm(settings.connect_timeout_s)
         ready_flag = True
         log.info("ready", extra={"http_port": port, "pid": os.getpid()})
         if on_ready is not None:
@@ -237,16 +237,6 @@ async def serve_service(
         await bus.close()
         await redis_client.aclose()
         provider.shutdown()
-
-
-async def _flush(bus: Bus, timeout_s: float) -> None:
-    try:
-        await bus.nc.flush(timeout=max(1, round(timeout_s)))
-    except Exception as exc:
-        raise BusError(
-            f"NATS did not confirm {bus.service}'s subscriptions within {timeout_s:g}s "
-            f"({type(exc).__name__}: {exc}); is the server at NATS_URL overloaded or gone?"
-        ) from exc
 
 
 def run_service(

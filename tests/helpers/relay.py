@@ -70,7 +70,7 @@ class FakeExecutor:
         self._subs.append(
             await self.bus.nc.subscribe(Subjects.heartbeat(self.job_id), cb=self._on_beat)
         )
-        await self.bus.nc.flush()
+        await self.bus.confirm()
         return self
 
     async def stop(self) -> None:

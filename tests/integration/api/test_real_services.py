@@ -112,7 +112,7 @@ async def _publish_world(nats_url: str) -> None:
                     ],
                 ),
             )
-        await bus.nc.flush()
+        await bus.confirm()
     finally:
         await bus.close()
 

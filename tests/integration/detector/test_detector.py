@@ -74,7 +74,7 @@ async def test_xid_79_yields_exactly_one_fault_within_a_second(
         await send(bus, "local-0", [sample("local-0", 0, xid=119)])
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
         await det.drain()  # every fault still being published is out...
-        await bus.nc.flush()  # ...and has reached this connection
+        await bus.confirm()  # ...and has reached this connection
         # The worker on the lost GPU dies too: same failure, and the fault says so.
         await bus.publish(
             AgentReport(
@@ -133,7 +133,7 @@ async def test_a_thousand_samples_of_one_thermal_slowdown_are_one_fault(
         await send(bus, "local-1", [sample("local-1", 1, xid=119)])  # routine: after the rest
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
         await det.drain()
-        await bus.nc.flush()
+        await bus.confirm()
         assert det.m_samples._value.get() >= 1000  # every thermal sample was evaluated
     thermal = [f for f in faults.items if f.kind == FaultKind.THERMAL_SLOWDOWN]
     assert len(thermal) == 1
@@ -368,7 +368,7 @@ async def test_the_periodic_inventory_flush_writes_every_node_of_a_large_fleet(
                     [sample(node, g, cluster=cluster, temperature_c=temperature) for g in range(2)],
                     cluster=cluster,
                 )
-            await bus.nc.flush()
+            await bus.confirm()
             deadline = time.monotonic() + 20
             while det.m_samples._value.get() < 2 * len(nodes) * (1 if temperature < 60 else 2):
                 assert time.monotonic() < deadline, "the detector did not evaluate every batch"
@@ -431,7 +431,7 @@ async def test_two_replicas_share_telemetry_and_agree_on_episodes(
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG), count=len(nodes))
         await a.drain()
         await b.drain()
-        await bus.nc.flush()
+        await bus.confirm()
         forwarded = (
             a.m_forwarded.labels("tel")._value.get() + b.m_forwarded.labels("tel")._value.get()
         )
@@ -533,7 +533,7 @@ async def test_a_replica_taking_over_does_not_repeat_an_ongoing_episode(
         await send(bus, "h-0", [sample("h-0", 1, ts=t + 31, xid=119)])
         await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
         await det.drain()
-        await bus.nc.flush()
+        await bus.confirm()
     assert len([f for f in faults.items if f.kind == FaultKind.GPU_LOST]) == 1
 
 

@@ -227,6 +227,51 @@ async def test_restarted_consumer_resumes_where_it_left_off(nats_url: str, bus: 
     assert sorted(second) == ["evt-12", "evt-13", "evt-14"]
 
 
+async def test_confirm_writes_a_new_subscription_before_its_ping(nats_url: str) -> None:
+    """nats-py's flush() alone writes its PING ahead of a SUB still in the write buffer, so
+    its PONG does not prove the subscription reached the server; confirm() does."""
+    probe = await Bus.connect(nats_url, "confirm-probe")
+    written: list[bytes] = []
+    transport: Any = probe.nc._transport
+    write, writelines = transport.write, transport.writelines
+
+    def record_write(data: bytes) -> None:
+        written.append(bytes(data))
+        write(data)
+
+    def record_writelines(lines: list[bytes]) -> None:
+        lines = list(lines)
+        written.extend(bytes(line) for line in lines)
+        writelines(lines)
+
+    transport.write, transport.writelines = record_write, record_writelines
+    try:
+        got: list[bytes] = []
+
+        async def on(msg: Any) -> None:
+            got.append(msg.data)
+
+        await probe.nc.subscribe("tr.test.confirm", cb=on)
+        await probe.confirm()
+        stream = b"".join(written)
+        assert b"SUB tr.test.confirm" in stream
+        assert stream.index(b"SUB tr.test.confirm") < stream.rindex(b"PING"), stream
+        # What the order buys: another connection's publish after confirm() is delivered.
+        other = await Bus.connect(nats_url, "confirm-other")
+        try:
+            await other.nc.publish("tr.test.confirm", b"hello")
+            await other.confirm()
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert got == [b"hello"]
+        finally:
+            await other.close()
+    finally:
+        transport.write, transport.writelines = write, writelines
+        await probe.close()
+
+
 async def test_a_request_sent_just_before_its_service_subscribes_is_answered(
     bus: Bus, nats_url: str
 ) -> None:

@@ -448,7 +448,7 @@ class CannedServices:
             if only is not None and service not in only:
                 continue
             await self.bus.serve(service, verb, self._recorded(service, verb, handler))
-        await self.bus.nc.flush()
+        await self.bus.confirm()
 
     def _recorded(
         self, service: str, verb: str, handler: Callable[[dict[str, Any]], Any]
