@@ -21,13 +21,14 @@ async def test_ready_is_announced_after_the_server_confirmed_the_setups_subscrip
         return body
 
     async def setup(ctx: ServiceContext) -> None:
-        flush = ctx.bus.nc.flush
+        confirm = ctx.bus.confirm
 
-        async def recorded_flush(*args: Any, **kwargs: Any) -> None:
-            await flush(*args, **kwargs)  # PING answered: the server processed what came before
-            events.append("flushed")
+        async def recorded_confirm(*args: Any, **kwargs: Any) -> None:
+            # Bus.confirm, not a bare nc.flush(): see test_bus's wire-order test.
+            await confirm(*args, **kwargs)
+            events.append("confirmed")
 
-        ctx.bus.nc.flush = recorded_flush  # type: ignore[method-assign]
+        ctx.bus.confirm = recorded_confirm  # type: ignore[method-assign]
         await ctx.serve("echo", echo)
         events.append("subscribed")
 
@@ -50,7 +51,7 @@ async def test_ready_is_announced_after_the_server_confirmed_the_setups_subscrip
     )
     try:
         await asyncio.wait_for(ready.wait(), 30)
-        assert events[:3] == ["subscribed", "flushed", "ready"], events
+        assert events[:3] == ["subscribed", "confirmed", "ready"], events
         # And a request sent the moment readiness shows is answered.
         assert await bus.request(Subjects.rpc("probe", "echo"), {"n": 1}, timeout=5) == {"n": 1}
     finally:
