@@ -61,7 +61,7 @@ log = logging.getLogger("torchrelay.bus")
 MAX_DLQ_PAYLOAD = 64 * 1024
 
 
-async def _cancel_until_done(task: asyncio.Future[Any]) -> None:
+async def cancel_until_done(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait for it, cancelling again while it lives.
 
     nats-py's connect loop retries forever and catches ``Exception`` around each attempt; on
@@ -358,7 +358,7 @@ class Bus:
                     if task.done():
                         break
                     if now > deadline or (refused_at and now - refused_at[0] > grace):
-                        await _cancel_until_done(task)
+                        await cancel_until_done(task)
                         break
                 if task.cancelled() or not task.done():
                     if refused_at:
@@ -431,8 +431,7 @@ class Bus:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_until_done(task)
         self._tasks.clear()
         if not self.nc.is_closed:
             for sub in self._subs:
@@ -956,5 +955,6 @@ __all__ = [
     "StaleRevision",
     "TlsFiles",
     "TransientError",
+    "cancel_until_done",
     "validation_message",
 ]

@@ -20,7 +20,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from torchrelay.bus import Bus, BusError, EventHandler, RedisDeduper, RpcHandler
+from torchrelay.bus import (
+    Bus,
+    BusError,
+    EventHandler,
+    RedisDeduper,
+    RpcHandler,
+    cancel_until_done,
+)
 from torchrelay.contract import CONSUMERS, ConsumerSpec, Event
 from torchrelay.observability import (
     ServiceMetrics,
@@ -228,8 +235,9 @@ async def serve_service(
         for task in ctx.tasks:
             task.cancel()
         for task in ctx.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            # A background loop whose cancel() was lost (Python 3.11's wait_for can swallow
+            # one, see cancel_until_done) would otherwise hold the stop up for ever.
+            await cancel_until_done(task)
         for closer in ctx.closers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(closer(), 2.0)

@@ -1,4 +1,4 @@
-"""A service says it is ready only once the server has its subscriptions."""
+"""A service says it is ready only once the server has its subscriptions, and stops."""
 
 from __future__ import annotations
 
@@ -58,3 +58,39 @@ async def test_ready_is_announced_after_the_server_confirmed_the_setups_subscrip
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 30)
+
+
+async def test_a_background_task_that_loses_a_cancel_does_not_hold_the_stop_up(
+    nats_url: str, redis_url: str
+) -> None:
+    """On Python 3.11 ``asyncio.wait_for`` can swallow a cancellation that lands as its inner
+    call completes; a service's background loop that saw that must still end at stop."""
+    cancels: list[int] = []
+
+    async def loop_that_loses_one_cancel() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) >= 2:
+                    raise
+
+    async def setup(ctx: ServiceContext) -> None:
+        ctx.spawn(loop_that_loses_one_cancel(), "sweeper-like")
+
+    settings = ServiceSettings(
+        nats_url=nats_url, redis_url=redis_url, environment="test", log_level="WARNING"
+    )
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        serve_service("stubborn", setup, settings, stop=stop, on_ready=lambda _p: ready.set())
+    )
+    await asyncio.wait_for(ready.wait(), 30)
+    stop.set()
+    done, _ = await asyncio.wait({task}, timeout=10)
+    if not done:
+        task.cancel()
+    assert done, "the service did not stop: its background task lived through one cancel()"
+    assert len(cancels) == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from torchrelay.bus import _cancel_until_done
+from torchrelay.bus import cancel_until_done
 
 
 async def test_a_task_that_swallows_cancellations_is_cancelled_until_it_ends() -> None:
@@ -24,7 +24,7 @@ async def test_a_task_that_swallows_cancellations_is_cancelled_until_it_ends() -
 
     task = asyncio.ensure_future(stubborn_retry_loop())
     await asyncio.sleep(0)
-    await asyncio.wait_for(_cancel_until_done(task), timeout=5)
+    await asyncio.wait_for(cancel_until_done(task), timeout=5)
     assert task.cancelled()
     assert swallowed == 2
 
@@ -35,5 +35,5 @@ async def test_a_finished_task_is_left_as_it_is() -> None:
 
     task = asyncio.ensure_future(refused())
     await asyncio.wait({task})
-    await _cancel_until_done(task)
+    await cancel_until_done(task)
     assert isinstance(task.exception(), OSError)
