@@ -106,9 +106,9 @@ async def start_pool(
     for stop, _task in stops:
         stop.set()
     for _stop, task in stops:
-        # Its stop takes well under a second. It once took 15 s and once 30 s (this limit):
-        # its sweeper (every 0.1 s here) had lost its cancel() to Python 3.11's wait_for,
-        # which serve_service now survives (test_service_ready).
+        # Its stop takes well under a second. It once took 15 s and once 30 s (this limit),
+        # most likely because its sweeper (every 0.1 s here) lost its cancel() to Python
+        # 3.11's wait_for, which serve_service now survives (test_service_ready).
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 30)
 
