@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
 from services.billing.service import setup
+from tests.helpers.inproc import service_settings, start_in_process
 from torchrelay.bus import Bus, RpcFailed
 from torchrelay.contract import (
     CreditIssued,
@@ -26,8 +27,6 @@ from torchrelay.contract import (
     make_event_id,
     utcnow,
 )
-from torchrelay.service import serve_service
-from torchrelay.settings import ServiceSettings
 
 from .conftest import Q1_END, Q1_START, make_incident
 
@@ -38,31 +37,13 @@ async def billing(
 ) -> AsyncIterator[None]:
     """The billing service running in this process until the test ends."""
     del redis, bus  # flushed Redis and purged streams before the service starts
-    settings = ServiceSettings(
-        nats_url=nats_url,
-        redis_url=redis_url,
-        environment="test",
-        log_level="WARNING",
-        connect_timeout_s=5.0,
-    )
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(
-        serve_service("billing", setup, settings, stop=stop, on_ready=lambda _port: ready.set())
-    )
-    waiter = asyncio.create_task(ready.wait())
-    done, _ = await asyncio.wait({waiter, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
-    if waiter not in done:
-        waiter.cancel()
-        if task.done():
-            task.result()
-        raise AssertionError("billing did not become ready within 30 s")
+    service = await start_in_process("billing", setup, service_settings(nats_url, redis_url))
     try:
         yield
     finally:
-        stop.set()
+        service.stop.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 15)
+            await asyncio.wait_for(service.task, 15)
 
 
 async def rpc(bus: Bus, verb: str, body: dict[str, Any]) -> Any:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
+from tests.helpers.inproc import service_settings, start_in_process
 from torchrelay.bus import Bus
 from torchrelay.contract import Subjects
-from torchrelay.service import ServiceContext, serve_service
-from torchrelay.settings import ServiceSettings
+from torchrelay.service import ServiceContext
 
 
 async def test_ready_is_announced_after_the_server_confirmed_the_setups_subscriptions(
@@ -32,32 +31,19 @@ async def test_ready_is_announced_after_the_server_confirmed_the_setups_subscrip
         await ctx.serve("echo", echo)
         events.append("subscribed")
 
-    settings = ServiceSettings(
-        nats_url=nats_url,
-        redis_url=redis_url,
-        environment="test",
-        log_level="WARNING",
-        connect_timeout_s=5.0,
-    )
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-
-    def on_ready(_port: int) -> None:
-        events.append("ready")
-        ready.set()
-
-    task = asyncio.create_task(
-        serve_service("probe", setup, settings, stop=stop, on_ready=on_ready)
+    service = await start_in_process(
+        "probe",
+        setup,
+        service_settings(nats_url, redis_url),
+        on_ready=lambda _port: events.append("ready"),
     )
     try:
-        await asyncio.wait_for(ready.wait(), 30)
         assert events[:3] == ["subscribed", "confirmed", "ready"], events
         # And a request sent the moment readiness shows is answered.
         assert await bus.request(Subjects.rpc("probe", "echo"), {"n": 1}, timeout=5) == {"n": 1}
     finally:
-        stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 30)
+        service.stop.set()
+        await asyncio.wait({service.task}, timeout=30)
 
 
 async def test_a_background_task_that_loses_a_cancel_does_not_hold_the_stop_up(
@@ -79,16 +65,9 @@ async def test_a_background_task_that_loses_a_cancel_does_not_hold_the_stop_up(
     async def setup(ctx: ServiceContext) -> None:
         ctx.spawn(loop_that_loses_one_cancel(), "sweeper-like")
 
-    settings = ServiceSettings(
-        nats_url=nats_url, redis_url=redis_url, environment="test", log_level="WARNING"
-    )
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(
-        serve_service("stubborn", setup, settings, stop=stop, on_ready=lambda _p: ready.set())
-    )
-    await asyncio.wait_for(ready.wait(), 30)
-    stop.set()
+    service = await start_in_process("stubborn", setup, service_settings(nats_url, redis_url))
+    service.stop.set()
+    task = service.task
     done, _ = await asyncio.wait({task}, timeout=10)
     if not done:
         task.cancel()

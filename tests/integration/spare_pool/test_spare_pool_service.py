@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
 from services.spare_pool.service import SparePoolSettings, setup
+from tests.helpers.inproc import service_settings, start_in_process
 from torchrelay.bus import Bus, RpcFailed
 from torchrelay.contract import (
     Generation,
@@ -33,7 +34,6 @@ from torchrelay.contract import (
     Subjects,
     make_event_id,
 )
-from torchrelay.service import serve_service
 
 DEADLINE_S = 20.0
 
@@ -71,36 +71,10 @@ async def start_pool(
     stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
     async def start(**overrides: Any) -> Pool:
-        settings = SparePoolSettings(
-            nats_url=nats_url,
-            redis_url=redis_url,
-            environment="test",
-            log_level="WARNING",
-            connect_timeout_s=5.0,
-            **overrides,
-        )
-        stop = asyncio.Event()
-        ready = asyncio.Event()
-        ports: list[int] = []
-
-        def on_ready(port: int) -> None:
-            ports.append(port)
-            ready.set()
-
-        task = asyncio.create_task(
-            serve_service("spare_pool", setup, settings, stop=stop, on_ready=on_ready)
-        )
-        stops.append((stop, task))
-        waiter = asyncio.create_task(ready.wait())
-        done, _ = await asyncio.wait(
-            {waiter, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED
-        )
-        if waiter not in done:
-            waiter.cancel()
-            if task.done():
-                task.result()
-            raise AssertionError("the spare pool did not become ready within 30 s")
-        return Pool(bus, ports[0])
+        settings = service_settings(nats_url, redis_url, SparePoolSettings, **overrides)
+        service = await start_in_process("spare_pool", setup, settings)
+        stops.append((service.stop, service.task))
+        return Pool(bus, service.port)
 
     yield start
     for stop, _task in stops:
