@@ -751,7 +751,12 @@ class Launcher:
             )
             # The control plane may fence or ask for a spare as soon as the job registers:
             # the server must have these subscriptions first.
-            await self.bus.confirm()
+            try:
+                await self.bus.confirm()
+            except BusError as exc:
+                print(f"torchrelay run: {exc}", file=sys.stderr)
+                await self._revoke_job_credentials()
+                return EXIT_USAGE
             await self._start_node_agents()
             await self._spawn_all()
             (o.run_dir / "launcher.json").write_text(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torchrelay.bus import cancel_until_done
 from torchrelay.service import Setup, serve_service
 from torchrelay.settings import ServiceSettings
 
@@ -33,6 +34,17 @@ class InProcess:
     task: asyncio.Task[None]
     stop: asyncio.Event
     port: int
+
+    async def stopped(self, within_s: float = 30.0) -> None:
+        """Ask it to stop and wait; a stop that hangs fails the test, naming the service
+        (a silent wait once hid a background task that had lost its cancel())."""
+        self.stop.set()
+        done, _ = await asyncio.wait({self.task}, timeout=within_s)
+        if not done:
+            await cancel_until_done(self.task)
+            raise AssertionError(f"{self.name} did not stop within {within_s:g} s")
+        if not self.task.cancelled() and self.task.exception() is not None:
+            raise self.task.exception()  # type: ignore[misc]
 
 
 async def start_in_process(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import csv
 import io
 import json
@@ -41,9 +40,7 @@ async def billing(
     try:
         yield
     finally:
-        service.stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(service.task, 15)
+        await service.stopped(within_s=15)
 
 
 async def rpc(bus: Bus, verb: str, body: dict[str, Any]) -> Any:

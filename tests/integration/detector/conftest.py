@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from services.detector.service import Detector, DetectorSettings
+from tests.helpers.inproc import service_settings, start_in_process
 from torchrelay.bus import Bus
 from torchrelay.contract import (
     FaultDetected,
@@ -28,7 +29,7 @@ from torchrelay.contract import (
     TelemetrySample,
     make_event_id,
 )
-from torchrelay.service import ServiceContext, serve_service
+from torchrelay.service import ServiceContext
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -84,14 +85,7 @@ async def running_detector(
     nats_url: str, redis_url: str, **overrides: Any
 ) -> AsyncIterator[Detector]:
     """Run the detector service in this process until the block ends."""
-    settings = DetectorSettings(
-        nats_url=nats_url,
-        redis_url=redis_url,
-        environment="test",
-        log_json=False,
-        log_level="WARNING",
-        **overrides,
-    )
+    settings = service_settings(nats_url, redis_url, DetectorSettings, log_json=False, **overrides)
     holder: list[Detector] = []
 
     async def setup(ctx: ServiceContext) -> None:
@@ -99,22 +93,11 @@ async def running_detector(
         await det.start()
         holder.append(det)
 
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(
-        serve_service("detector", setup, settings, stop, on_ready=lambda _port: ready.set())
-    )
-    waiter = asyncio.ensure_future(ready.wait())
-    done, _ = await asyncio.wait({task, waiter}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        waiter.cancel()
-        task.result()  # raises the start-up error
-    assert ready.is_set(), "detector did not become ready within 30 s"
+    service = await start_in_process("detector", setup, settings)
     try:
         yield holder[0]
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
+        await service.stopped(within_s=20)
 
 
 def sample(

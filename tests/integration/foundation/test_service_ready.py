@@ -42,8 +42,7 @@ async def test_ready_is_announced_after_the_server_confirmed_the_setups_subscrip
         # And a request sent the moment readiness shows is answered.
         assert await bus.request(Subjects.rpc("probe", "echo"), {"n": 1}, timeout=5) == {"n": 1}
     finally:
-        service.stop.set()
-        await asyncio.wait({service.task}, timeout=30)
+        await service.stopped()
 
 
 async def test_a_background_task_that_loses_a_cancel_does_not_hold_the_stop_up(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import os
@@ -19,7 +18,7 @@ import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
 from services.spare_pool.service import SparePoolSettings, setup
-from tests.helpers.inproc import service_settings, start_in_process
+from tests.helpers.inproc import InProcess, service_settings, start_in_process
 from torchrelay.bus import Bus, RpcFailed
 from torchrelay.contract import (
     Generation,
@@ -68,23 +67,18 @@ async def start_pool(
 ) -> AsyncIterator[Callable[..., Awaitable[Pool]]]:
     """Start the service in this process with settings overrides; stopped at the end."""
     del redis  # flushed before the service starts; the bus fixture purged the streams
-    stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+    started: list[InProcess] = []
 
     async def start(**overrides: Any) -> Pool:
         settings = service_settings(nats_url, redis_url, SparePoolSettings, **overrides)
-        service = await start_in_process("spare_pool", setup, settings)
-        stops.append((service.stop, service.task))
-        return Pool(bus, service.port)
+        started.append(await start_in_process("spare_pool", setup, settings))
+        return Pool(bus, started[-1].port)
 
     yield start
-    for stop, _task in stops:
-        stop.set()
-    for _stop, task in stops:
-        # Its stop takes well under a second. It once took 15 s and once 30 s (this limit),
-        # most likely because its sweeper (every 0.1 s here) lost its cancel() to Python
-        # 3.11's wait_for, which serve_service now survives (test_service_ready).
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 30)
+    for service in started:
+        service.stop.set()
+    for service in started:
+        await service.stopped(within_s=30)
 
 
 class EventTap:
