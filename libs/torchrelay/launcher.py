@@ -60,6 +60,8 @@ Outcome = Literal["succeeded", "failed", "cancelled"]
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]{1,100}$")
 GIVE_UP_MARGIN_S = 30.0  # protocol §11: a lost rank not replaced in wait_timeout + 30 s
 STOP_GRACE_S = 10.0
+REGISTER_CONFLICT_RETRY_S = 30.0  # how long a spare's slot may still be another job's
+REGISTER_CONFLICT_PAUSE_S = 0.5
 
 
 # Environment every worker and spare gets unless the user set the variable (to anything).
@@ -536,7 +538,9 @@ class Launcher:
         await self.bus.publish(event, Subjects.JOB_REGISTERED)
         for child in self.children.values():
             if child.role == Role.SPARE:
-                await self._register_spare(child)
+                # In the background: a registration that waits for its slot to be let go
+                # must not hold up the job's start.
+                self._tasks.append(asyncio.create_task(self._register_spare(child)))
 
     async def _register_spare(self, child: Child) -> None:
         slot = SpareSlot(
@@ -549,19 +553,28 @@ class Launcher:
             member_id=child.member_id,
             gpu_model="cpu-sim",
         )
-        try:
-            await self.bus.request(Subjects.rpc("spare_pool", "register"), slot, timeout=2.0)
-        except NoResponder:
-            print(
-                f"torchrelay run: warning: no spare pool answered; {child.member_id} is not "
-                "registered as a hot spare (is the control plane running?)",
-                file=sys.stderr,
-            )
-        except RpcFailed as exc:
-            print(
-                f"torchrelay run: warning: spare pool refused {child.member_id}: {exc}",
-                file=sys.stderr,
-            )
+        deadline = time.monotonic() + REGISTER_CONFLICT_RETRY_S
+        while True:
+            try:
+                await self.bus.request(Subjects.rpc("spare_pool", "register"), slot, timeout=2.0)
+            except NoResponder:
+                print(
+                    f"torchrelay run: warning: no spare pool answered; {child.member_id} is not "
+                    "registered as a hot spare (is the control plane running?)",
+                    file=sys.stderr,
+                )
+            except RpcFailed as exc:
+                # The slot's last job may have finished a moment ago: the pool lets its hot
+                # spares go when it handles that JobFinished, which can come after this
+                # request (back-to-back jobs on one host). Ask again until it has.
+                if exc.error.code == "conflict" and time.monotonic() < deadline:
+                    await asyncio.sleep(REGISTER_CONFLICT_PAUSE_S)
+                    continue
+                print(
+                    f"torchrelay run: warning: spare pool refused {child.member_id}: {exc}",
+                    file=sys.stderr,
+                )
+            return
 
     async def _serve(
         self, subject: str, handler: Callable[[dict[str, Any]], Awaitable[Any]]

@@ -234,7 +234,14 @@ class LaunchedJob:
         self.log = home / f"{job_id}.log"
         full_env = dict(os.environ)
         full_env.update(
-            {"NATS_URL": nats_url, "TORCHRELAY_HOME": str(home), "PYTHONPATH": str(REPO)}
+            {
+                "NATS_URL": nats_url,
+                "TORCHRELAY_HOME": str(home),
+                "PYTHONPATH": str(REPO),
+                # Tests always run the divergence guard: a rank that drifts stops the job at
+                # the step it happened, naming the tensor, instead of a digest at the end.
+                "TORCHRELAY_VERIFY_EVERY": "1",
+            }
         )
         full_env.update(env or {})
         cmd = [

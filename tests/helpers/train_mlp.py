@@ -13,6 +13,11 @@ Environment knobs (all optional):
                    on its own and leaves the gradients behind, then writes
                    <TORCHRELAY_RUN_DIR>/<member_id>.warmed
   TR_WARM_UP_RAISE a member id whose warm_up raises
+  TR_SEED_BY_MEMBER "1": each member seeds its model with 1234 + its member number (w2 -> 1236),
+                   as a script that forgot to seed alike would; DDP's start makes them equal
+  TR_WIDTH_OF      "MEMBER:WIDTH": that member builds a model of another width (a mismatch)
+  TR_PERTURB       "MEMBER:STEP": that member adds 1e-3 to its first weight after committing
+                   STEP, behind the agent's back (what the divergence guard must catch)
 At the end each rank writes <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of
 its tracked state and the perf_counter time of each of its commits.
 """
@@ -41,8 +46,13 @@ raise_at = os.environ.get("TR_RAISE_AT")
 member = os.environ["TORCHRELAY_MEMBER_ID"]
 run_dir = Path(os.environ["TORCHRELAY_RUN_DIR"])
 
+if os.environ.get("TR_WIDTH_OF", "").rpartition(":")[0] == member:
+    width = int(os.environ["TR_WIDTH_OF"].rpartition(":")[2])
+perturb = os.environ.get("TR_PERTURB", "")
+number = int("".join(ch for ch in member.rpartition("-")[2] if ch.isdigit()) or "0")
+
 # Built before init(), as README recommends: a hot spare has them ready when it takes a rank.
-torch.manual_seed(1234)
+torch.manual_seed(1234 + (number if os.environ.get("TR_SEED_BY_MEMBER") == "1" else 0))
 layers: list[nn.Module] = [nn.Linear(16, width), nn.ReLU(), nn.Dropout(0.1)]
 for _ in range(depth - 1):
     layers += [nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.1)]
@@ -89,6 +99,9 @@ for step, (xb, yb) in job.batches(data, batch_size=8, max_steps=steps, seed=7):
     if job.step(optimizer):
         scheduler.step()
         commits.append(time.perf_counter())
+        if perturb == f"{member}:{step}":
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)
     optimizer.zero_grad()
 
 digest = job.state_digest()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -45,12 +46,16 @@ from torchrelay.agent._state import (
     ReceiveTargets,
     Stateful,
     as_bytes,
+    digest_of,
+    first_difference,
+    leaf_digests,
     load_entries,
     pack_state,
     read_header,
     receive_targets,
     split_by_arrival,
     state_digest,
+    structure,
     warm_serialization,
 )
 from torchrelay.contract import (
@@ -75,6 +80,10 @@ NO_STATE = -2  # a member that has never held a rank's state (a spare) in the st
 
 class AgentError(RuntimeError):
     """The agent cannot run: the message says what is missing and how to fix it."""
+
+
+class DivergenceError(AgentError):
+    """The divergence guard found ranks whose tracked state differs (``verify_every``)."""
 
 
 def _env(name: str, default: str | None = None) -> str:
@@ -139,8 +148,13 @@ class Job:
     """This process's membership in a torchrelay job (create it with :func:`init`)."""
 
     def __init__(
-        self, *, collective_timeout_s: float | None = None, connect_timeout_s: float = 30.0
+        self,
+        *,
+        collective_timeout_s: float | None = None,
+        connect_timeout_s: float = 30.0,
+        verify_every: int | None = None,
     ) -> None:
+        self.verify_every = _verify_every(verify_every)
         # First: from here on, the launcher learns of this process's death as it begins.
         deathlatch.hold_from_env()
         self.job_id = _env("TORCHRELAY_JOB_ID")
@@ -179,6 +193,9 @@ class Job:
         self._disrupted_t: float | None = None  # when this rank first learnt of the change
         self._lost_steps = 0
         self._resume: dict[str, Any] | None = None
+        # What a step that did not commit may have changed outside the agent (a scheduler
+        # stepped whatever job.step() returned): put back before the step is yielded again.
+        self._rollback: dict[str, Any] | None = None
         self._pending: _PendingState | None = None  # state of the last sync still arriving
         self._flat: torch.Tensor | None = None  # the all-reduce buffer, kept between steps
         self._last_step_hb = 0.0
@@ -388,8 +405,10 @@ class Job:
             return
 
     def _sync_state(self, gen: Generation, pg: Any, rank: int, stale: Callable[[], bool]) -> int:
-        """Agree on the highest committed step; its lowest holder sends its state below.
+        """Agree on the highest committed step; its holders send their state below it.
 
+        Before the job's first commit the start rule applies instead (DDP's start): every
+        rank whose state differs from the lowest holder's receives that holder's.
         Returns the number of state bytes this rank received.
         """
         dev = self.backend.device
@@ -402,7 +421,87 @@ class Job:
         best = max(steps)
         if best == NO_STATE:
             raise AgentError(f"no member of generation {gen.generation} holds any state")
-        sources = state_sources(steps)
+        # Before the first commit: DDP's start; after it, the holders of the newest step.
+        starting = best < 0
+        sources = self._start_sources(pg, rank, steps, stale) if starting else state_sources(steps)
+        return self._transfer(gen, pg, rank, sources, best, stale)
+
+    def _start_sources(
+        self, pg: Any, rank: int, steps: list[int], stale: Callable[[], bool]
+    ) -> dict[int, int]:
+        """DDP's start: who receives the lowest holder's state before the first commit.
+
+        Every holder's state is digested; those equal to the reference (the lowest rank
+        holding state, rank 0 unless a spare took it) keep theirs, the others and the
+        members without state receive it. A rank that tracks other names, shapes or
+        dtypes stops the job naming the rank and the entry.
+        """
+        holders = [r for r, s in enumerate(steps) if s != NO_STATE]
+        reference = holders[0]
+        shape: list[tuple[str, str]] = []
+        if self._has_state:
+            shape = structure(self._tracked)
+            mine = digest_of(shape) + digest_of(leaf_digests(self._tracked))
+        else:
+            mine = bytes(64)
+        seen = self._allgather_bytes(pg, mine, stale)
+        odd = [r for r in holders if seen[r][:32] != seen[reference][:32]]
+        if odd:
+            first = odd[0]
+            ours = self._broadcast_json(pg, rank, reference, shape, stale)
+            theirs = self._broadcast_json(pg, rank, first, shape, stale)
+            path, a, b = first_difference(_pairs(ours), _pairs(theirs))
+            raise AgentError(
+                f"rank {first} tracks a state that does not match rank {reference}'s: "
+                f"{path} is {b or 'absent'} on rank {first} but {a or 'absent'} on rank "
+                f"{reference}; every rank must build the same model and optimizers and "
+                "call job.track() with the same names"
+            )
+        return {
+            r: reference
+            for r in range(len(steps))
+            if r != reference and (steps[r] == NO_STATE or seen[r][32:] != seen[reference][32:])
+        }
+
+    def _allgather_bytes(self, pg: Any, data: bytes, stale: Callable[[], bool]) -> list[bytes]:
+        """Every rank's ``data`` (all of one length), in rank order."""
+        dev = self.backend.device
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        outs = [torch.empty_like(mine) for _ in range(pg.size())]
+        self._run(pg.allgather([outs], [mine]), pg, stale)
+        return [bytes(t.cpu().numpy().tobytes()) for t in outs]
+
+    def _broadcast_json(
+        self, pg: Any, rank: int, root: int, value: Any, stale: Callable[[], bool]
+    ) -> Any:
+        """``value`` of rank ``root`` on every rank (JSON-encodable values)."""
+        dev = self.backend.device
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        data = json.dumps(value).encode() if rank == root else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        self._run(pg.broadcast([size], opts), pg, stale)
+        if rank == root:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+        self._run(pg.broadcast([buf], opts), pg, stale)
+        return json.loads(buf.cpu().numpy().tobytes())
+
+    def _transfer(
+        self,
+        gen: Generation,
+        pg: Any,
+        rank: int,
+        sources: dict[int, int],
+        best: int,
+        stale: Callable[[], bool],
+    ) -> int:
+        """Send this rank's state to the ranks it serves in ``sources``, or receive its own.
+
+        Returns the number of state bytes this rank received.
+        """
+        dev = self.backend.device
         receivers = sorted(sources)
         tag = gen.generation
         sending_to = [dst for dst in receivers if sources[dst] == rank]
@@ -442,6 +541,7 @@ class Job:
                 _abandon_receive(works, targets)
                 raise
             load_entries(skeleton, large, self._tracked, early)
+            self._rollback = None  # the received state is the step's, whatever was undone
             self._drop_gradients()
             self._committed = best
             self._pending = _PendingState(gen, pg, skeleton, large, works[count:], early, targets)
@@ -564,6 +664,7 @@ class Job:
                 if self._agree_done(max_steps):
                     return
                 continue
+            self._undo_outside_changes()
             seed_step(seed, step, self._rank)
             batch = make_batch(dataset, sampler.indices(step, self._rank), collate_fn)
             self._in_step, self._step_called = step, False
@@ -585,7 +686,10 @@ class Job:
         except CollectiveError as exc:
             self._collective_failed(gen, self.rank, exc)
             return False
-        return int(flag.item()) >= gen.world_size * (max_steps - 1)
+        done = int(flag.item()) >= gen.world_size * (max_steps - 1)
+        if done and self.verify_every:
+            self._verify(gen, pg)  # the last word: the state the job ends with
+        return done
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """All-reduce the gradients over the live group and step the optimizers.
@@ -649,14 +753,14 @@ class Job:
         if self._exiting:  # fenced meanwhile: never commit after that
             self._fence("a newer generation does not name this member")
         switch = bool(buf[-1].item() > 0)
-        grads = buf[:-1]
         if self._resume is not None:
             self._mark("allreduced", step=step)
-        grads.div_(gen.world_size)
-        _unflatten(grads, params)
+        _unflatten(buf, params, gen.world_size)
         for opt in optimizers:
             opt.step()
         self._commit(step, gen)
+        if self.verify_every and (step + 1) % self.verify_every == 0:
+            self._verify(gen, self._pg)
         if switch:
             self._switch_at_boundary(gen)
         return True
@@ -683,6 +787,76 @@ class Job:
         self._lost_steps = 1
         for p in params:
             p.grad = None
+        self._remember_outside_state()
+
+    def _remember_outside_state(self) -> None:
+        """Keep what a step that did not commit must not change: the tracked objects that
+        are neither modules nor optimizers (schedulers, counters) and the optimizers'
+        hyper-parameters (a scheduler sets ``lr`` there). A loop that steps its scheduler
+        whatever ``job.step()`` returned changes them; they are put back before the step is
+        yielded again, so the repeated step starts from the state it would have had."""
+        others = {
+            name: copy.deepcopy(obj.state_dict())
+            for name, obj in self._tracked.items()
+            if not isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
+        }
+        groups = {
+            name: [
+                {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+                for group in obj.param_groups
+            ]
+            for name, obj in self._tracked.items()
+            if isinstance(obj, torch.optim.Optimizer)
+        }
+        self._rollback = {"others": others, "groups": groups}
+
+    def _undo_outside_changes(self) -> None:
+        """Put back what :meth:`_remember_outside_state` kept (once)."""
+        rollback, self._rollback = self._rollback, None
+        if rollback is None:
+            return
+        for name, state in rollback["others"].items():
+            self._tracked[name].load_state_dict(state)
+        for name, groups in rollback["groups"].items():
+            opt = self._tracked[name]
+            assert isinstance(opt, torch.optim.Optimizer)
+            for group, kept in zip(opt.param_groups, groups, strict=True):
+                group.update(kept)
+
+    def _verify(self, gen: Generation, pg: Any) -> None:
+        """The divergence guard: every rank digests its tracked state; any difference stops
+        the job naming the first rank that differs from rank 0 and the first entry.
+
+        A collective that fails or is left for a newer generation skips this check (the
+        next generation's sync starts every rank from one state again).
+
+        Raises:
+            DivergenceError: two ranks hold different states.
+        """
+        rank = self._rank
+        assert rank is not None
+        stale = self._stale(gen)
+        entries = [("step", str(self._committed)), *leaf_digests(self._tracked)]
+        try:
+            seen = self._allgather_bytes(pg, digest_of(entries), stale)
+            odd = [r for r, d in enumerate(seen) if d != seen[0]]
+            if not odd:
+                return
+            first = odd[0]
+            ours = self._broadcast_json(pg, rank, 0, entries, stale)
+            theirs = self._broadcast_json(pg, rank, first, entries, stale)
+        except Abandoned:
+            return
+        except CollectiveError as exc:
+            self._collective_failed(gen, rank, exc)
+            return
+        path, _, _ = first_difference(_pairs(ours), _pairs(theirs))
+        raise DivergenceError(
+            f"torchrelay divergence guard: after step {self._committed} in generation "
+            f"{gen.generation} rank {first}'s tracked state differs from rank 0's, first in "
+            f"{path} (ranks that differ: {odd}); the job is stopped because its ranks no "
+            "longer train one model"
+        )
 
     def _commit(self, step: int, gen: Generation) -> None:
         now = time.monotonic()
@@ -933,6 +1107,30 @@ def _abandon_receive(works: list[Any], targets: ReceiveTargets) -> None:
     targets.release_live()
 
 
+def _pairs(value: Any) -> list[tuple[str, str]]:
+    """``(path, text)`` entries back from their JSON form (lists of two strings)."""
+    return [(str(path), str(text)) for path, text in value]
+
+
+def _verify_every(given: int | None) -> int:
+    """The divergence guard's period: ``given``, else ``TORCHRELAY_VERIFY_EVERY``, else 0."""
+    if given is None:
+        raw = os.environ.get("TORCHRELAY_VERIFY_EVERY", "").strip() or "0"
+        try:
+            given = int(raw)
+        except ValueError:
+            raise AgentError(
+                f"TORCHRELAY_VERIFY_EVERY={raw!r} is not a whole number of steps; "
+                "set it to N >= 1 to compare the ranks' state every N steps, or 0 for never"
+            ) from None
+    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+        raise AgentError(
+            f"verify_every={given!r}: give a whole number of steps >= 1 to compare the "
+            "ranks' state every N steps, or 0 for never"
+        )
+    return given
+
+
 def _hard_exit(code: int) -> NoReturn:
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -946,39 +1144,53 @@ def _flatten(
     flag: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One buffer of every gradient (zeros where a parameter has none) plus the flag.
+    """One buffer of every gradient (zeros where a parameter has none), one count per
+    parameter of the ranks that have its gradient, and the flag last.
 
-    Written into ``out`` when it has the right size, dtype and device (the step's buffer is
-    kept from one step to the next: a fresh one of the model's size each step costs page
-    faults that, on a loaded host, took longer than the copy itself), else into a new one.
+    After the all-reduce a parameter that no rank has a gradient for keeps none (like a
+    single process, the optimizer then leaves it alone); one that some ranks have gets the
+    mean with zeros for the others. Written into ``out`` when it has the right size, dtype
+    and device (the step's buffer is kept from one step to the next: a fresh one of the
+    model's size each step costs page faults that, on a loaded host, took longer than the
+    copy itself), else into a new one.
     """
     dtypes = {p.dtype for p in params}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    total = sum(p.numel() for p in params) + 1
+    numel = sum(p.numel() for p in params)
+    total = numel + len(params) + 1
     if out is None or out.numel() != total or out.dtype != dtype or out.device != device:
         out = torch.empty(total, dtype=dtype, device=device)
     offset = 0
-    for p in params:
+    for i, p in enumerate(params):
         n = p.numel()
         part = out[offset : offset + n]
         if p.grad is None:
             part.zero_()
         else:
             part.copy_(p.grad.reshape(-1))
+        out[numel + i] = 0.0 if p.grad is None else 1.0
         offset += n
     out[-1] = flag
     return out
 
 
-def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter], world_size: int) -> None:
+    """The all-reduced buffer of :func:`_flatten` back into the mean gradients."""
+    numel = sum(p.numel() for p in params)
+    grads = flat[:numel]
+    grads.div_(world_size)
+    present = flat[numel : numel + len(params)].tolist()
     offset = 0
-    for p in params:
+    for p, count in zip(params, present, strict=True):
         n = p.numel()
-        view = flat[offset : offset + n].view_as(p).to(p.dtype)
-        if p.grad is None:
-            p.grad = view.clone()
+        if count == 0:
+            p.grad = None
         else:
-            p.grad.copy_(view)
+            view = grads[offset : offset + n].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
         offset += n
 
 

@@ -372,6 +372,87 @@ def _feed(h: Any, value: Any) -> None:
         h.update(repr(value).encode())
 
 
+def _leaves(prefix: str, value: Any, out: list[tuple[str, Any]]) -> None:
+    """Every leaf of a state dict with its dotted path (tensors and plain values)."""
+    if isinstance(value, Mapping):
+        for key in sorted(value, key=repr):
+            _leaves(f"{prefix}.{key}", value[key], out)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _leaves(f"{prefix}[{i}]", item, out)
+    else:
+        out.append((prefix, value))
+
+
+def state_leaves(tracked: Mapping[str, Stateful]) -> list[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of every tracked state dict, in a fixed order.
+
+    Paths read like ``model.0.weight``, ``optimizer.state.0.exp_avg``,
+    ``optimizer.param_groups[0].lr``: what an error names when two ranks differ.
+    """
+    out: list[tuple[str, Any]] = []
+    for name in sorted(tracked):
+        _leaves(name, tracked[name].state_dict(), out)
+    return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> Any:
+    """A buffer of a tensor's exact bits (no copy for a contiguous CPU tensor)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def structure(tracked: Mapping[str, Stateful]) -> list[tuple[str, str]]:
+    """What every rank of a data-parallel job must track alike: each leaf's path and, for
+    a tensor, its dtype and shape (for anything else, its type)."""
+    return [
+        (path, f"{v.dtype}{list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__)
+        for path, v in state_leaves(tracked)
+    ]
+
+
+def leaf_digests(tracked: Mapping[str, Stateful]) -> list[tuple[str, str]]:
+    """``(path, sha256)`` of every leaf's exact bits (a tensor's bytes, else its repr)."""
+    out = []
+    for path, value in state_leaves(tracked):
+        h = hashlib.sha256()
+        if isinstance(value, torch.Tensor):
+            h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+            h.update(_tensor_bytes(value))
+        else:
+            h.update(repr(value).encode())
+        out.append((path, h.hexdigest()))
+    return out
+
+
+def digest_of(entries: list[tuple[str, str]]) -> bytes:
+    """One 32-byte sha256 over a list of ``(path, text)`` entries."""
+    h = hashlib.sha256()
+    for path, text in entries:
+        h.update(path.encode())
+        h.update(b"\0")
+        h.update(text.encode())
+        h.update(b"\n")
+    return h.digest()
+
+
+def first_difference(
+    ours: list[tuple[str, str]], theirs: list[tuple[str, str]]
+) -> tuple[str, str | None, str | None]:
+    """The first path where two entry lists differ, with each side's text (None: absent)."""
+    mine, other = dict(ours), dict(theirs)
+    for path, text in ours:
+        if other.get(path) != text:
+            return path, text, other.get(path)
+    for path, text in theirs:
+        if path not in mine:
+            return path, None, text
+    return "", None, None
+
+
 def state_digest(tracked: Mapping[str, Stateful], step: int | None = None) -> str:
     """sha256 over the exact bits of every tracked state (and ``step`` if given)."""
     h = hashlib.sha256()
