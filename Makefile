@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint format proto up down demo bench chaos e2e clean
+.PHONY: setup test lint format proto up down demo bench chaos conformance e2e clean
 
 $(STAMP): pyproject.toml constraints/dev.txt
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,9 @@ test: $(STAMP)
 
 e2e: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m "e2e" tests
+
+conformance: $(STAMP)
+	TORCHRELAY_CONFORMANCE=all $(BIN)/python -m pytest -p no:cacheprovider tests/conformance
 
 chaos: $(STAMP)
 	TORCHRELAY_CHAOS=all $(BIN)/python -m pytest -p no:cacheprovider tests/chaos

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from torchrelay import deathlatch
+from torchrelay.agent._chaos import ENV as CHAOS_ENV
+from torchrelay.agent._chaos import ChaosPoint
 from torchrelay.agent._data import StepSampler, dataset_length, make_batch, seed_step
 from torchrelay.agent._group import (
     GRAVEYARD,
@@ -165,6 +167,10 @@ class Job:
         self.cluster = _env("TORCHRELAY_CLUSTER", "local")
         self.tenant = _env("TORCHRELAY_TENANT", "default")
         self.run_dir = Path(_env("TORCHRELAY_RUN_DIR", "."))
+        try:
+            self._chaos = ChaosPoint(os.environ.get(CHAOS_ENV), self.member_id)
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
         timeout_s = collective_timeout_s or float(
             os.environ.get("TORCHRELAY_COLLECTIVE_TIMEOUT_S", "60")
         )
@@ -515,6 +521,7 @@ class Job:
                 for dst in sending_to
                 for t in (size, packed.header, *packed.large)
             ]
+            self._chaos.hit("send_state", best + 1)
             for work in works:
                 self._run(work, pg, stale)
             return 0
@@ -532,6 +539,7 @@ class Job:
             targets = receive_targets(skeleton, self._tracked, dev)
             large = targets.tensors
             works = [pg.recv([as_bytes(t)], source, tag) for t in large]
+            self._chaos.hit("recv_state", best + 1)
             # The modules come first: load them and let the step's forward and backward run
             # while the rest (optimizer state) still arrives; step() waits for it.
             try:
@@ -740,7 +748,9 @@ class Job:
             buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0, self._flat)
             self._flat = buf
             try:
-                self._run(pg.allreduce([buf], dist.AllreduceOptions()), pg, self._stale(gen))
+                work = pg.allreduce([buf], dist.AllreduceOptions())
+                self._chaos.hit("allreduce", step)
+                self._run(work, pg, self._stale(gen))
                 break
             except Abandoned:
                 self._flat = None  # the abandoned all-reduce may still write into it

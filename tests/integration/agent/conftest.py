@@ -34,13 +34,21 @@ class JobRunner:
         env: dict[str, str] | None = None,
         auto_replace: bool = True,
         nodes: int = 1,
+        script: Path | None = None,
     ) -> tuple[LaunchedJob, FakeExecutor]:
         job_id = f"{name}-{os.getpid()}-{next(_ids)}"
         executor = await FakeExecutor(self.bus, job_id, nproc, auto_replace=auto_replace).start()
         self.executors.append(executor)
         env = {k: v.replace("{job}", job_id) for k, v in (env or {}).items()}
         job = LaunchedJob(
-            job_id, self.nats_url, self.home, nproc=nproc, spares=spares, env=env, nodes=nodes
+            job_id,
+            self.nats_url,
+            self.home,
+            nproc=nproc,
+            spares=spares,
+            env=env,
+            nodes=nodes,
+            **({"script": script} if script is not None else {}),
         )
         self.jobs.append(job)
         return job, executor
