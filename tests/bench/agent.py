@@ -32,7 +32,14 @@ from torchrelay.runtime import free_port, nats_server
 WORLD = 4
 STEPS = 60
 SKIP = 8  # warm-up steps left out of the medians
-ENV = {"TR_STEPS": str(STEPS), "TR_WIDTH": "1024", "TR_DEPTH": "3", "TR_STEP_SLEEP_S": "0"}
+# The guard is off as it is by default; run_overhead measures it on at every step apart.
+ENV = {
+    "TR_STEPS": str(STEPS),
+    "TR_WIDTH": "1024",
+    "TR_DEPTH": "3",
+    "TR_STEP_SLEEP_S": "0",
+    "TORCHRELAY_VERIFY_EVERY": "0",
+}
 MIXED = Path(__file__).with_name("_agent_mixed.py")
 
 
@@ -84,11 +91,21 @@ def commit_times(job: LaunchedJob) -> list[list[float]]:
     ]
 
 
-async def run_overhead(bus: Bus, url: str, tmp: Path) -> tuple[float, float]:
-    """Median plain and agent step times, measured in alternating blocks in one job."""
-    ex = await FakeExecutor(bus, "bench-overhead", WORLD).start()
-    env = {**ENV, "TR_PLAIN_PORT": str(free_port()), "TR_BLOCKS": "6", "TR_BLOCK_STEPS": "10"}
-    job = LaunchedJob("bench-overhead", url, tmp, nproc=WORLD, spares=0, env=env, script=MIXED)
+async def run_overhead(
+    bus: Bus, url: str, tmp: Path, verify_every: int = 0
+) -> tuple[float, float]:
+    """Median plain and agent step times, measured in alternating blocks in one job
+    (``verify_every``: the divergence guard's period for the agent's steps, 0 off)."""
+    job_id = f"bench-overhead-v{verify_every}"
+    ex = await FakeExecutor(bus, job_id, WORLD).start()
+    env = {
+        **ENV,
+        "TR_PLAIN_PORT": str(free_port()),
+        "TR_BLOCKS": "6",
+        "TR_BLOCK_STEPS": "10",
+        "TORCHRELAY_VERIFY_EVERY": str(verify_every),
+    }
+    job = LaunchedJob(job_id, url, tmp, nproc=WORLD, spares=0, env=env, script=MIXED)
     try:
         if await job.wait(600) != 0:
             raise RuntimeError(f"agent run failed:\n{job.output()[-3000:]}")
@@ -135,6 +152,7 @@ async def _run() -> dict[str, Any]:
             await bus.provision_streams()
             try:
                 plain, agent = await run_overhead(bus, server.url, tmp)
+                plain_v, agent_v = await run_overhead(bus, server.url, tmp, verify_every=1)
                 kill = await run_kill(bus, server.url, tmp)
             finally:
                 await bus.close()
@@ -150,6 +168,11 @@ async def _run() -> dict[str, Any]:
         "agent_step_ms": 1000 * agent,
         "overhead_ratio": agent / plain,
         "overhead_target": 1.03,
+        # The divergence guard at every step (sha256 of the whole tracked state, one
+        # all-gather of 32 bytes), against plain steps measured in the same processes.
+        "verify_every_1_plain_step_ms": 1000 * plain_v,
+        "verify_every_1_agent_step_ms": 1000 * agent_v,
+        "verify_every_1_overhead_ratio": agent_v / plain_v,
         "kill_stall_ms": kill["stall_ms"],
         "kill_lost_steps": kill["lost_steps"],
         "state_bytes": kill["state_bytes"],

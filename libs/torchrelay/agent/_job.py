@@ -695,8 +695,8 @@ class Job:
             self._collective_failed(gen, self.rank, exc)
             return False
         done = int(flag.item()) >= gen.world_size * (max_steps - 1)
-        if done and self.verify_every:
-            self._verify(gen, pg)  # the last word: the state the job ends with
+        if done and self.verify_every and not self._verify(gen, pg):
+            return False  # the check was cut short by a new generation: agree again there
         return done
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
@@ -833,12 +833,12 @@ class Job:
             for group, kept in zip(opt.param_groups, groups, strict=True):
                 group.update(kept)
 
-    def _verify(self, gen: Generation, pg: Any) -> None:
+    def _verify(self, gen: Generation, pg: Any) -> bool:
         """The divergence guard: every rank digests its tracked state; any difference stops
         the job naming the first rank that differs from rank 0 and the first entry.
 
-        A collective that fails or is left for a newer generation skips this check (the
-        next generation's sync starts every rank from one state again).
+        Returns False when a collective failed or was left for a newer generation: the
+        check is skipped (the next generation's sync starts every rank from one state).
 
         Raises:
             DivergenceError: two ranks hold different states.
@@ -851,15 +851,15 @@ class Job:
             seen = self._allgather_bytes(pg, digest_of(entries), stale)
             odd = [r for r, d in enumerate(seen) if d != seen[0]]
             if not odd:
-                return
+                return True
             first = odd[0]
             ours = self._broadcast_json(pg, rank, 0, entries, stale)
             theirs = self._broadcast_json(pg, rank, first, entries, stale)
         except Abandoned:
-            return
+            return False
         except CollectiveError as exc:
             self._collective_failed(gen, rank, exc)
-            return
+            return False
         path, _, _ = first_difference(_pairs(ours), _pairs(theirs))
         raise DivergenceError(
             f"torchrelay divergence guard: after step {self._committed} in generation "
