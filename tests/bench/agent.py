@@ -91,9 +91,7 @@ def commit_times(job: LaunchedJob) -> list[list[float]]:
     ]
 
 
-async def run_overhead(
-    bus: Bus, url: str, tmp: Path, verify_every: int = 0
-) -> tuple[float, float]:
+async def run_overhead(bus: Bus, url: str, tmp: Path, verify_every: int = 0) -> tuple[float, float]:
     """Median plain and agent step times, measured in alternating blocks in one job
     (``verify_every``: the divergence guard's period for the agent's steps, 0 off)."""
     job_id = f"bench-overhead-v{verify_every}"
