@@ -789,8 +789,14 @@ class Job:
         self._enter_generation()
         new = self._gen
         assert new is not None
+        # Before the first commit the start rule may replace a survivor's state without
+        # moving its step: any state received means the gradients in hand are stale.
+        received = bool(self._resume and self._resume.get("bytes_received"))
         return (
-            new.world_size == old.world_size and self._rank == rank and self._committed == committed
+            new.world_size == old.world_size
+            and self._rank == rank
+            and self._committed == committed
+            and not received
         )
 
     def _discard(self, params: list[torch.nn.Parameter]) -> None:
