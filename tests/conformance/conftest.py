@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 
 from tests.conformance.matrix import RESULTS
-from tests.integration.agent.conftest import JobRunner
-from torchrelay.bus import Bus
 
-
-@pytest.fixture
-async def runner(bus: Bus, nats_url: str, tmp_path: Path) -> AsyncIterator[JobRunner]:
-    r = JobRunner(bus, nats_url, tmp_path)
-    yield r
-    await r.close()
+# The agent tests' job runner: a launched job plus the test executor, stopped at the end.
+from tests.integration.agent.conftest import runner  # noqa: F401
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,13 +75,12 @@ def stopped(pid: int) -> bool:
     return text.rsplit(")", 1)[-1].split()[0] == "T"
 
 
-async def replace_when_stopped(ex: FakeExecutor, job_pid_of: object, member: str) -> None:
+async def replace_when_stopped(ex: FakeExecutor, pid_of: Callable[[str], int], member: str) -> None:
     """A SIGSTOPped rank: once it is stopped, hand its rank to a spare (the detector's part
     in production: heartbeats go on, steps do not)."""
-    assert callable(job_pid_of)
     while True:
         try:
-            if stopped(job_pid_of(member)):
+            if stopped(pid_of(member)):
                 break
         except (OSError, KeyError, ValueError):
             pass

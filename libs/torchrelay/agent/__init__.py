@@ -3,7 +3,8 @@
 See DESIGN.md §4 for the semantics and docs of :class:`Job` for the training-loop API.
 """
 
-from torchrelay.agent._job import AgentError, Job, init
+from torchrelay.agent._errors import AgentError, DivergenceError
+from torchrelay.agent._job import Job, init
 from torchrelay.agent._state import state_digest
 
-__all__ = ["AgentError", "Job", "init", "state_digest"]
+__all__ = ["AgentError", "DivergenceError", "Job", "init", "state_digest"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -31,9 +30,18 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from torchrelay import deathlatch
+from torchrelay.agent._agree import (
+    NO_STATE,
+    Collectives,
+    find_divergence,
+    start_sources,
+    state_sources,
+)
 from torchrelay.agent._chaos import ENV as CHAOS_ENV
 from torchrelay.agent._chaos import ChaosPoint
 from torchrelay.agent._data import StepSampler, dataset_length, make_batch, seed_step
+from torchrelay.agent._errors import AgentError, DivergenceError
+from torchrelay.agent._grads import flatten_grads, unflatten_grads
 from torchrelay.agent._group import (
     GRAVEYARD,
     Abandoned,
@@ -45,19 +53,18 @@ from torchrelay.agent._group import (
 )
 from torchrelay.agent._net import NetThread
 from torchrelay.agent._state import (
+    OutsideState,
     ReceiveTargets,
     Stateful,
     as_bytes,
-    digest_of,
-    first_difference,
-    leaf_digests,
     load_entries,
+    outside_state,
     pack_state,
     read_header,
     receive_targets,
+    restore_outside_state,
     split_by_arrival,
     state_digest,
-    structure,
     warm_serialization,
 )
 from torchrelay.contract import (
@@ -77,15 +84,6 @@ log = logging.getLogger("torchrelay.agent")
 
 HEARTBEAT_MIN_INTERVAL_S = 0.2  # step heartbeats: at most 5 per second
 LIVENESS_INTERVAL_S = 0.5
-NO_STATE = -2  # a member that has never held a rank's state (a spare) in the step agreement
-
-
-class AgentError(RuntimeError):
-    """The agent cannot run: the message says what is missing and how to fix it."""
-
-
-class DivergenceError(AgentError):
-    """The divergence guard found ranks whose tracked state differs (``verify_every``)."""
 
 
 def _env(name: str, default: str | None = None) -> str:
@@ -109,28 +107,6 @@ def _nats_url() -> str:
         raise AgentError(
             "no torchrelay stack: run `torchrelay up --detach` or set NATS_URL"
         ) from exc
-
-
-def state_sources(steps: list[int]) -> dict[int, int]:
-    """Which rank sends the state to each rank that lacks it: ``{receiver: sender}``.
-
-    ``steps`` are the committed steps of the group's ranks (from the step agreement); the
-    holders of the highest one can send. Each receiver takes it from the nearest holder
-    before it in ring order: the ring's all-gather has just connected that pair (gloo
-    connects a pair on first use), and two receivers are mostly served by two senders.
-    """
-    best = max(steps)
-    world = len(steps)
-    sources: dict[int, int] = {}
-    for receiver, step in enumerate(steps):
-        if step == best:
-            continue
-        for back in range(1, world):
-            holder = (receiver - back) % world
-            if steps[holder] == best:
-                sources[receiver] = holder
-                break
-    return sources
 
 
 @dataclass
@@ -201,7 +177,7 @@ class Job:
         self._resume: dict[str, Any] | None = None
         # What a step that did not commit may have changed outside the agent (a scheduler
         # stepped whatever job.step() returned): put back before the step is yielded again.
-        self._rollback: dict[str, Any] | None = None
+        self._rollback: OutsideState | None = None
         self._pending: _PendingState | None = None  # state of the last sync still arriving
         self._flat: torch.Tensor | None = None  # the all-reduce buffer, kept between steps
         self._last_step_hb = 0.0
@@ -428,71 +404,16 @@ class Job:
         if best == NO_STATE:
             raise AgentError(f"no member of generation {gen.generation} holds any state")
         # Before the first commit: DDP's start; after it, the holders of the newest step.
-        starting = best < 0
-        sources = self._start_sources(pg, rank, steps, stale) if starting else state_sources(steps)
+        if best < 0:
+            coll = self._collectives(pg, rank, stale)
+            sources = start_sources(coll, steps, self._tracked, self._has_state)
+        else:
+            sources = state_sources(steps)
         return self._transfer(gen, pg, rank, sources, best, stale)
 
-    def _start_sources(
-        self, pg: Any, rank: int, steps: list[int], stale: Callable[[], bool]
-    ) -> dict[int, int]:
-        """DDP's start: who receives the lowest holder's state before the first commit.
-
-        Every holder's state is digested; those equal to the reference (the lowest rank
-        holding state, rank 0 unless a spare took it) keep theirs, the others and the
-        members without state receive it. A rank that tracks other names, shapes or
-        dtypes stops the job naming the rank and the entry.
-        """
-        holders = [r for r, s in enumerate(steps) if s != NO_STATE]
-        reference = holders[0]
-        shape: list[tuple[str, str]] = []
-        if self._has_state:
-            shape = structure(self._tracked)
-            mine = digest_of(shape) + digest_of(leaf_digests(self._tracked))
-        else:
-            mine = bytes(64)
-        seen = self._allgather_bytes(pg, mine, stale)
-        odd = [r for r in holders if seen[r][:32] != seen[reference][:32]]
-        if odd:
-            first = odd[0]
-            ours = self._broadcast_json(pg, rank, reference, shape, stale)
-            theirs = self._broadcast_json(pg, rank, first, shape, stale)
-            path, a, b = first_difference(_pairs(ours), _pairs(theirs))
-            raise AgentError(
-                f"rank {first} tracks a state that does not match rank {reference}'s: "
-                f"{path} is {b or 'absent'} on rank {first} but {a or 'absent'} on rank "
-                f"{reference}; every rank must build the same model and optimizers and "
-                "call job.track() with the same names"
-            )
-        return {
-            r: reference
-            for r in range(len(steps))
-            if r != reference and (steps[r] == NO_STATE or seen[r][32:] != seen[reference][32:])
-        }
-
-    def _allgather_bytes(self, pg: Any, data: bytes, stale: Callable[[], bool]) -> list[bytes]:
-        """Every rank's ``data`` (all of one length), in rank order."""
-        dev = self.backend.device
-        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-        outs = [torch.empty_like(mine) for _ in range(pg.size())]
-        self._run(pg.allgather([outs], [mine]), pg, stale)
-        return [bytes(t.cpu().numpy().tobytes()) for t in outs]
-
-    def _broadcast_json(
-        self, pg: Any, rank: int, root: int, value: Any, stale: Callable[[], bool]
-    ) -> Any:
-        """``value`` of rank ``root`` on every rank (JSON-encodable values)."""
-        dev = self.backend.device
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        data = json.dumps(value).encode() if rank == root else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-        self._run(pg.broadcast([size], opts), pg, stale)
-        if rank == root:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-        else:
-            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-        self._run(pg.broadcast([buf], opts), pg, stale)
-        return json.loads(buf.cpu().numpy().tobytes())
+    def _collectives(self, pg: Any, rank: int, stale: Callable[[], bool]) -> Collectives:
+        """This rank's exchanges in ``pg``, each left like any collective (:meth:`_run`)."""
+        return Collectives(pg, self.backend.device, rank, lambda work: self._run(work, pg, stale))
 
     def _transfer(
         self,
@@ -745,7 +666,9 @@ class Job:
                 )
             # The all-reduce runs on a flat copy: the parameters' own gradients stay intact
             # whatever a failed collective leaves in ``buf``.
-            buf = _flatten(params, self.backend.device, 1.0 if switch_wanted else 0.0, self._flat)
+            buf = flatten_grads(
+                params, self.backend.device, 1.0 if switch_wanted else 0.0, self._flat
+            )
             self._flat = buf
             try:
                 work = pg.allreduce([buf], dist.AllreduceOptions())
@@ -765,7 +688,7 @@ class Job:
         switch = bool(buf[-1].item() > 0)
         if self._resume is not None:
             self._mark("allreduced", step=step)
-        _unflatten(buf, params, gen.world_size)
+        unflatten_grads(buf, params, gen.world_size)
         for opt in optimizers:
             opt.step()
         self._commit(step, gen)
@@ -806,38 +729,17 @@ class Job:
         self._remember_outside_state()
 
     def _remember_outside_state(self) -> None:
-        """Keep what a step that did not commit must not change: the tracked objects that
-        are neither modules nor optimizers (schedulers, counters) and the optimizers'
-        hyper-parameters (a scheduler sets ``lr`` there). A loop that steps its scheduler
-        whatever ``job.step()`` returned changes them; they are put back before the step is
-        yielded again, so the repeated step starts from the state it would have had."""
-        others = {
-            name: copy.deepcopy(obj.state_dict())
-            for name, obj in self._tracked.items()
-            if not isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
-        }
-        groups = {
-            name: [
-                {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-                for group in obj.param_groups
-            ]
-            for name, obj in self._tracked.items()
-            if isinstance(obj, torch.optim.Optimizer)
-        }
-        self._rollback = {"others": others, "groups": groups}
+        """A step did not commit: keep what the loop may still change behind the agent's
+        back (a scheduler stepped whatever ``job.step()`` returned) to put it back before
+        the step is yielded again, so the repeated step starts from the state it would have
+        had (:func:`outside_state`)."""
+        self._rollback = outside_state(self._tracked)
 
     def _undo_outside_changes(self) -> None:
         """Put back what :meth:`_remember_outside_state` kept (once)."""
         rollback, self._rollback = self._rollback, None
-        if rollback is None:
-            return
-        for name, state in rollback["others"].items():
-            self._tracked[name].load_state_dict(state)
-        for name, groups in rollback["groups"].items():
-            opt = self._tracked[name]
-            assert isinstance(opt, torch.optim.Optimizer)
-            for group, kept in zip(opt.param_groups, groups, strict=True):
-                group.update(kept)
+        if rollback is not None:
+            restore_outside_state(self._tracked, rollback)
 
     def _verify(self, gen: Generation, pg: Any) -> bool:
         """The divergence guard: every rank digests its tracked state; any difference stops
@@ -851,27 +753,22 @@ class Job:
         """
         rank = self._rank
         assert rank is not None
-        stale = self._stale(gen)
-        entries = [("step", str(self._committed)), *leaf_digests(self._tracked)]
         try:
-            seen = self._allgather_bytes(pg, digest_of(entries), stale)
-            odd = [r for r, d in enumerate(seen) if d != seen[0]]
-            if not odd:
-                return True
-            first = odd[0]
-            ours = self._broadcast_json(pg, rank, 0, entries, stale)
-            theirs = self._broadcast_json(pg, rank, first, entries, stale)
+            found = find_divergence(
+                self._collectives(pg, rank, self._stale(gen)), self._tracked, self._committed
+            )
         except Abandoned:
             return False
         except CollectiveError as exc:
             self._collective_failed(gen, rank, exc)
             return False
-        path, _, _ = first_difference(_pairs(ours), _pairs(theirs))
+        if found is None:
+            return True
         raise DivergenceError(
             f"torchrelay divergence guard: after step {self._committed} in generation "
-            f"{gen.generation} rank {first}'s tracked state differs from rank 0's, first in "
-            f"{path} (ranks that differ: {odd}); the job is stopped because its ranks no "
-            "longer train one model"
+            f"{gen.generation} rank {found.ranks[0]}'s tracked state differs from rank 0's, "
+            f"first in {found.path} (ranks that differ: {found.ranks}); the job is stopped "
+            "because its ranks no longer train one model"
         )
 
     def _commit(self, step: int, gen: Generation) -> None:
@@ -1123,11 +1020,6 @@ def _abandon_receive(works: list[Any], targets: ReceiveTargets) -> None:
     targets.release_live()
 
 
-def _pairs(value: Any) -> list[tuple[str, str]]:
-    """``(path, text)`` entries back from their JSON form (lists of two strings)."""
-    return [(str(path), str(text)) for path, text in value]
-
-
 def _verify_every(given: int | None) -> int:
     """The divergence guard's period: ``given``, else ``TORCHRELAY_VERIFY_EVERY``, else 0."""
     if given is None:
@@ -1152,62 +1044,6 @@ def _hard_exit(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
-
-
-def _flatten(
-    params: list[torch.nn.Parameter],
-    device: torch.device,
-    flag: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One buffer of every gradient (zeros where a parameter has none), one count per
-    parameter of the ranks that have its gradient, and the flag last.
-
-    After the all-reduce a parameter that no rank has a gradient for keeps none (like a
-    single process, the optimizer then leaves it alone); one that some ranks have gets the
-    mean with zeros for the others. Written into ``out`` when it has the right size, dtype
-    and device (the step's buffer is kept from one step to the next: a fresh one of the
-    model's size each step costs page faults that, on a loaded host, took longer than the
-    copy itself), else into a new one.
-    """
-    dtypes = {p.dtype for p in params}
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    numel = sum(p.numel() for p in params)
-    total = numel + len(params) + 1
-    if out is None or out.numel() != total or out.dtype != dtype or out.device != device:
-        out = torch.empty(total, dtype=dtype, device=device)
-    offset = 0
-    for i, p in enumerate(params):
-        n = p.numel()
-        part = out[offset : offset + n]
-        if p.grad is None:
-            part.zero_()
-        else:
-            part.copy_(p.grad.reshape(-1))
-        out[numel + i] = 0.0 if p.grad is None else 1.0
-        offset += n
-    out[-1] = flag
-    return out
-
-
-def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter], world_size: int) -> None:
-    """The all-reduced buffer of :func:`_flatten` back into the mean gradients."""
-    numel = sum(p.numel() for p in params)
-    grads = flat[:numel]
-    grads.div_(world_size)
-    present = flat[numel : numel + len(params)].tolist()
-    offset = 0
-    for p, count in zip(params, present, strict=True):
-        n = p.numel()
-        if count == 0:
-            p.grad = None
-        else:
-            view = grads[offset : offset + n].view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
-        offset += n
 
 
 def init(warm_up: Callable[[], object] | None = None, **kwargs: Any) -> Job:

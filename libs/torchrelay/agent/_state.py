@@ -8,6 +8,7 @@ the all-reduce spreads the difference to every rank.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import io
@@ -451,6 +452,45 @@ def first_difference(
         if path not in mine:
             return path, None, text
     return "", None, None
+
+
+@dataclass(frozen=True)
+class OutsideState:
+    """What a training loop may change in tracked objects between two steps without the
+    agent: the objects that are neither modules nor optimizers (schedulers, counters) and
+    the optimizers' hyper-parameters (a scheduler sets ``lr`` there)."""
+
+    others: dict[str, Any]
+    groups: dict[str, list[dict[str, Any]]]
+
+
+def outside_state(tracked: Mapping[str, Stateful]) -> OutsideState:
+    """A copy of :class:`OutsideState` of ``tracked`` now."""
+    others = {
+        name: copy.deepcopy(obj.state_dict())
+        for name, obj in tracked.items()
+        if not isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
+    }
+    groups = {
+        name: [
+            {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+            for group in obj.param_groups
+        ]
+        for name, obj in tracked.items()
+        if isinstance(obj, torch.optim.Optimizer)
+    }
+    return OutsideState(others, groups)
+
+
+def restore_outside_state(tracked: Mapping[str, Stateful], kept: OutsideState) -> None:
+    """Put back what :func:`outside_state` copied."""
+    for name, state in kept.others.items():
+        tracked[name].load_state_dict(state)
+    for name, groups in kept.groups.items():
+        opt = tracked[name]
+        assert isinstance(opt, torch.optim.Optimizer)
+        for group, saved in zip(opt.param_groups, groups, strict=True):
+            group.update(saved)
 
 
 def state_digest(tracked: Mapping[str, Stateful], step: int | None = None) -> str:

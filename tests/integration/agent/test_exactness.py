@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.relay import LaunchedJob
 from tests.integration.agent.conftest import JobRunner
 from tests.integration.agent.test_migration import ENV, finish, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+async def failed_output(job: LaunchedJob) -> str:
+    """The output of a job that must fail."""
+    assert await job.wait() != 0, job.output()[-4000:]
+    return job.output()
 
 
 async def test_ranks_seeded_apart_start_from_rank_0s_state(runner: JobRunner) -> None:
@@ -26,8 +33,7 @@ async def test_a_rank_that_tracks_another_shape_stops_the_job_naming_it(
     runner: JobRunner,
 ) -> None:
     job, _ = await runner.start("other-shape", nproc=3, env={**ENV, "TR_WIDTH_OF": "{job}-w2:48"})
-    assert await job.wait() != 0
-    out = job.output()
+    out = await failed_output(job)
     assert "rank 2 tracks a state that does not match rank 0's: model.0.bias is " in out, out[
         -4000:
     ]
@@ -39,8 +45,7 @@ async def test_the_divergence_guard_stops_the_job_at_the_step_naming_rank_and_te
 ) -> None:
     # w1 nudges its first weight after committing step 4, behind the agent's back.
     job, _ = await runner.start("drift", nproc=3, env={**ENV, "TR_PERTURB": "{job}-w1:4"})
-    assert await job.wait() != 0
-    out = job.output()
+    out = await failed_output(job)
     assert (
         "after step 5 in generation 1 rank 1's tracked state differs from rank 0's, "
         "first in model.0.weight (ranks that differ: [1])"

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from torchrelay.agent._group import Abandoned, Backend, Wakeup, form_group, wait_work
-from torchrelay.agent._job import _flatten, _unflatten
 
 TIMEOUT_S = 60.0  # far longer than any wait below: leaving must not come from a timeout
 
@@ -100,51 +99,3 @@ def test_a_stuck_allreduce_is_left_at_once_and_a_finished_one_returns() -> None:
     pg1.allreduce([torch.ones(4)], dist.AllreduceOptions()).wait()  # type: ignore[attr-defined]
     work.wait()
     backend.abandon(pg1)
-
-
-def test_gradients_flatten_with_the_flag_and_come_back_as_the_mean() -> None:
-    model = torch.nn.Linear(3, 2)
-    model(torch.randn(5, 3)).sum().backward()
-    params = list(model.parameters())
-    grads = [p.grad.clone() for p in params]  # type: ignore[union-attr]
-    flat = _flatten(params, torch.device("cpu"), 1.0)
-    assert flat.numel() == sum(p.numel() for p in params) + len(params) + 1
-    assert flat[-1].item() == 1.0
-    flat[:-1].mul_(2)  # what a 2-rank all-reduce of the same gradients gives
-    _unflatten(flat, params, 2)
-    for p, g in zip(params, grads, strict=True):
-        assert torch.equal(p.grad, g)  # type: ignore[arg-type]
-
-
-def test_a_parameter_no_rank_has_a_gradient_for_keeps_none() -> None:
-    # Like one process: a parameter outside this step's graph keeps grad None, so AdamW
-    # neither decays it nor moves its moments; one that some rank has gets the mean.
-    model = torch.nn.Linear(3, 2)
-    model.weight.grad = torch.ones(2, 3)
-    params = list(model.parameters())
-    flat = _flatten(params, torch.device("cpu"), 0.0)
-    other = _flatten(params, torch.device("cpu"), 0.0)
-    other[:6].fill_(3.0)  # a second rank: the weight's gradient is 3s there, bias none too
-    flat.add_(other)
-    _unflatten(flat, params, 2)
-    assert torch.equal(model.weight.grad, torch.full((2, 3), 2.0))  # type: ignore[arg-type]
-    assert model.bias.grad is None
-
-
-def test_the_step_buffer_is_reused_when_it_fits_and_replaced_when_it_does_not() -> None:
-    model = torch.nn.Linear(3, 2)
-    params = list(model.parameters())
-    model(torch.randn(5, 3)).sum().backward()
-    first = _flatten(params, torch.device("cpu"), 0.0)
-    expected = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-    assert torch.equal(first[: expected.numel()], expected)
-    model.zero_grad()  # gradients set to None: their slots must read zero, not last step's
-    again = _flatten(params, torch.device("cpu"), 1.0, first)
-    assert again.data_ptr() == first.data_ptr()
-    assert torch.count_nonzero(again[:-1]).item() == 0  # no gradient, none counted
-    assert again[-1].item() == 1.0
-    other = torch.nn.Linear(4, 2)
-    other(torch.randn(5, 4)).sum().backward()
-    bigger = _flatten(list(other.parameters()), torch.device("cpu"), 0.0, first)
-    assert bigger.data_ptr() != first.data_ptr()
-    assert bigger.numel() == sum(p.numel() for p in other.parameters()) + 2 + 1

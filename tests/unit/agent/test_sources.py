@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchrelay.agent._job import NO_STATE, state_sources
+from torchrelay.agent._agree import NO_STATE, state_sources
 
 
 def test_a_spare_takes_the_state_from_its_ring_predecessor() -> None:

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from torchrelay.agent._state import (
     INLINE_MAX_BYTES,
+    first_difference,
     forward_first,
+    leaf_digests,
     load_entries,
+    outside_state,
     pack_state,
     read_header,
     receive_locally,
     receive_targets,
+    restore_outside_state,
     slots,
     split_by_arrival,
     state_digest,
+    structure,
     transfer_locally,
     unpack_state,
 )
@@ -242,3 +249,39 @@ def test_tied_storage_is_received_into_once() -> None:
     targets = receive_targets(skeleton, spare, torch.device("cpu"))  # type: ignore[arg-type]
     ptrs = [t.data_ptr() for t in targets.tensors]
     assert len(ptrs) == len(set(ptrs))
+
+
+def _trio(width: int = 4) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return {"model": model, "optimizer": opt, "scheduler": sched}
+
+
+def test_leaf_digests_name_the_first_entry_that_differs() -> None:
+    a, b = _trio(), _trio()
+    assert leaf_digests(a) == leaf_digests(b)
+    with torch.no_grad():
+        b["model"].weight[0, 0] += 1e-7  # one element, a few bits
+    path, ours, theirs = first_difference(leaf_digests(a), leaf_digests(b))
+    assert path == "model.weight"
+    assert ours != theirs
+    assert first_difference(structure(a), structure(_trio(5)))[0] == "model.bias"
+    assert first_difference(structure(a), structure(_trio(5)))[1:] == (
+        "torch.float32[4]",
+        "torch.float32[5]",
+    )
+
+
+def test_what_the_loop_changed_outside_the_agent_is_put_back() -> None:
+    tracked = _trio()
+    tracked["optimizer"].step()  # no gradients: moves nothing, but comes first as it should
+    kept = outside_state(tracked)
+    tracked["scheduler"].step()  # halves the optimizer's lr and moves last_epoch
+    assert tracked["optimizer"].param_groups[0]["lr"] == 0.05
+    restore_outside_state(tracked, kept)
+    assert tracked["optimizer"].param_groups[0]["lr"] == 0.1
+    assert tracked["scheduler"].last_epoch == 0
+    tracked["scheduler"].step()
+    assert tracked["optimizer"].param_groups[0]["lr"] == 0.05  # steps on as if never undone

@@ -11,7 +11,13 @@ import torchrelay.agent
 
 
 def test_public_surface_is_pinned() -> None:
-    assert sorted(torchrelay.agent.__all__) == ["AgentError", "Job", "init", "state_digest"]
+    assert sorted(torchrelay.agent.__all__) == [
+        "AgentError",
+        "DivergenceError",
+        "Job",
+        "init",
+        "state_digest",
+    ]
     assert torchrelay.Job is torchrelay.agent.Job
     for name in ("track", "batches", "step", "finish"):
         assert callable(getattr(torchrelay.Job, name))

@@ -1,0 +1,61 @@
+"""The step's gradients in one buffer for the all-reduce, and back as their mean."""
+
+from __future__ import annotations
+
+import torch
+
+
+def flatten_grads(
+    params: list[torch.nn.Parameter],
+    device: torch.device,
+    flag: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One buffer of every gradient (zeros where a parameter has none), one count per
+    parameter of the ranks that have its gradient, and the flag last.
+
+    After the all-reduce a parameter that no rank has a gradient for keeps none (like a
+    single process, the optimizer then leaves it alone); one that some ranks have gets the
+    mean with zeros for the others. Written into ``out`` when it has the right size, dtype
+    and device (the step's buffer is kept from one step to the next: a fresh one of the
+    model's size each step costs page faults that, on a loaded host, took longer than the
+    copy itself), else into a new one.
+    """
+    dtypes = {p.dtype for p in params}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    numel = sum(p.numel() for p in params)
+    total = numel + len(params) + 1
+    if out is None or out.numel() != total or out.dtype != dtype or out.device != device:
+        out = torch.empty(total, dtype=dtype, device=device)
+    offset = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        part = out[offset : offset + n]
+        if p.grad is None:
+            part.zero_()
+        else:
+            part.copy_(p.grad.reshape(-1))
+        out[numel + i] = 0.0 if p.grad is None else 1.0
+        offset += n
+    out[-1] = flag
+    return out
+
+
+def unflatten_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], world_size: int) -> None:
+    """The all-reduced buffer of :func:`flatten_grads` back into the mean gradients."""
+    numel = sum(p.numel() for p in params)
+    grads = flat[:numel]
+    grads.div_(world_size)
+    present = flat[numel : numel + len(params)].tolist()
+    offset = 0
+    for p, count in zip(params, present, strict=True):
+        n = p.numel()
+        if count == 0:
+            p.grad = None
+        else:
+            view = grads[offset : offset + n].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+        offset += n
