@@ -78,6 +78,32 @@ def with_process_defaults(env: dict[str, str]) -> dict[str, str]:
     return {**PROCESS_DEFAULTS, **env}
 
 
+async def register_hot_spare(
+    bus: Bus, slot: SpareSlot, retry_s: float = REGISTER_CONFLICT_RETRY_S
+) -> str | None:
+    """Register ``slot`` with the spare pool; None when it took it, else why not.
+
+    The slot's last job may have finished a moment ago: the pool lets its hot spares go when
+    it handles that JobFinished, which can come after this request (back-to-back jobs on one
+    host). A conflict is asked again for up to ``retry_s`` seconds.
+    """
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            await bus.request(Subjects.rpc("spare_pool", "register"), slot, timeout=2.0)
+        except NoResponder:
+            return (
+                f"no spare pool answered; {slot.member_id} is not registered as a hot spare "
+                "(is the control plane running?)"
+            )
+        except RpcFailed as exc:
+            if exc.error.code == "conflict" and time.monotonic() < deadline:
+                await asyncio.sleep(REGISTER_CONFLICT_PAUSE_S)
+                continue
+            return f"spare pool refused {slot.member_id}: {exc}"
+        return None
+
+
 class LauncherError(RuntimeError):
     """The job cannot be launched; the message says what to do."""
 
@@ -553,28 +579,9 @@ class Launcher:
             member_id=child.member_id,
             gpu_model="cpu-sim",
         )
-        deadline = time.monotonic() + REGISTER_CONFLICT_RETRY_S
-        while True:
-            try:
-                await self.bus.request(Subjects.rpc("spare_pool", "register"), slot, timeout=2.0)
-            except NoResponder:
-                print(
-                    f"torchrelay run: warning: no spare pool answered; {child.member_id} is not "
-                    "registered as a hot spare (is the control plane running?)",
-                    file=sys.stderr,
-                )
-            except RpcFailed as exc:
-                # The slot's last job may have finished a moment ago: the pool lets its hot
-                # spares go when it handles that JobFinished, which can come after this
-                # request (back-to-back jobs on one host). Ask again until it has.
-                if exc.error.code == "conflict" and time.monotonic() < deadline:
-                    await asyncio.sleep(REGISTER_CONFLICT_PAUSE_S)
-                    continue
-                print(
-                    f"torchrelay run: warning: spare pool refused {child.member_id}: {exc}",
-                    file=sys.stderr,
-                )
-            return
+        problem = await register_hot_spare(self.bus, slot)
+        if problem is not None:
+            print(f"torchrelay run: warning: {problem}", file=sys.stderr)
 
     async def _serve(
         self, subject: str, handler: Callable[[dict[str, Any]], Awaitable[Any]]

@@ -30,9 +30,11 @@ from torchrelay.contract import (
     SparePoolLow,
     SpareQuarantined,
     SpareReleased,
+    SpareSlot,
     Subjects,
     make_event_id,
 )
+from torchrelay.launcher import register_hot_spare
 
 DEADLINE_S = 20.0
 
@@ -556,3 +558,31 @@ async def test_a_malformed_floor_setting_stops_the_service_naming_the_variable(
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2, out.decode()[-2000:]
     assert "TORCHRELAY_SPARE_FLOOR" in out.decode()
+
+
+async def test_a_launcher_takes_the_hot_spare_slot_a_job_that_just_finished_lets_go(
+    start_pool: Callable[..., Awaitable[Pool]], bus: Bus
+) -> None:
+    # Back-to-back jobs on one host: job B's launcher registers its spare on the slot that is
+    # still job A's hot spare, because the pool has not handled A's JobFinished yet.
+    pool = await start_pool()
+    await pool.rpc("register", slot_body("n1", 0, state="hot", job_id="ja", member_id="ja-s0"))
+    slot = SpareSlot.model_validate(
+        slot_body("n1", 0, state="hot", job_id="jb", member_id="jb-s0", slot_id="local:n1:0")
+    )
+    taking = asyncio.create_task(register_hot_spare(bus, slot, retry_s=15.0))
+    await asyncio.sleep(0.6)
+    assert not taking.done()  # refused so far, and asking again
+    await bus.publish(
+        JobFinished(
+            event_id="finished-ja", source="launcher", job_id="ja", tenant="t", outcome="succeeded"
+        ),
+        Subjects.JOB_FINISHED,
+    )
+    assert await asyncio.wait_for(taking, DEADLINE_S) is None
+    assert (await pool.rpc("get", {"slot_id": "local:n1:0"}))["job_id"] == "jb"
+    # A slot that stays another live job's is refused, naming the job, once the retry ends.
+    other = slot.model_copy(update={"job_id": "jc", "member_id": "jc-s0"})
+    problem = await register_hot_spare(bus, other, retry_s=1.0)
+    assert problem is not None
+    assert "slot local:n1:0 is a hot spare of job jb" in problem
