@@ -28,16 +28,18 @@ def flatten_grads(
     if out is None or out.numel() != total or out.dtype != dtype or out.device != device:
         out = torch.empty(total, dtype=dtype, device=device)
     offset = 0
-    for i, p in enumerate(params):
+    for p in params:
         n = p.numel()
         part = out[offset : offset + n]
         if p.grad is None:
             part.zero_()
         else:
             part.copy_(p.grad.reshape(-1))
-        out[numel + i] = 0.0 if p.grad is None else 1.0
         offset += n
-    out[-1] = flag
+    # The counts and the flag in one copy: a write per parameter is one op each, on the
+    # step's path for every parameter tensor of the model.
+    tail = [0.0 if p.grad is None else 1.0 for p in params] + [flag]
+    out[numel:].copy_(torch.tensor(tail, dtype=dtype))
     return out
 
 
