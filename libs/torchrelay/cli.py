@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wait-timeout", type=float, default=60.0)
     run.add_argument("--allow-shrink", action="store_true")
     run.add_argument(
+        "--verify-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compare the ranks' tracked state every N steps and stop the job if they differ "
+        "(sets TORCHRELAY_VERIFY_EVERY for every process; 0: never)",
+    )
+    run.add_argument(
         "--no-node-agents",
         action="store_true",
         help="do not start a simulated detector node agent per node",

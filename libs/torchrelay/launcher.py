@@ -877,6 +877,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise LauncherError("--nproc must be at least 1")
     if args.spares < 0 or args.nodes < 1:
         raise LauncherError("--spares must be >= 0 and --nodes >= 1")
+    verify_every = getattr(args, "verify_every", None)
+    if verify_every is not None and verify_every < 0:
+        raise LauncherError("--verify-every must be >= 0 (steps between checks; 0: never)")
     script = Path(args.script)
     if not script.is_file():
         raise LauncherError(f"training script {args.script} does not exist")
@@ -901,6 +904,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         run_dir=(home / "runs" / job_id).resolve(),
         credentials=resolve_credentials("launcher"),
         node_agents=not getattr(args, "no_node_agents", False),
+        extra_env={} if verify_every is None else {"TORCHRELAY_VERIFY_EVERY": str(verify_every)},
         node_agent_credentials=os.environ.get("TORCHRELAY_NODE_AGENT_CREDENTIALS")
         or resolve_credentials(
             "node_agent",

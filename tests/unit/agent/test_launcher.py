@@ -15,6 +15,7 @@ from torchrelay.launcher import (
     classify_exit,
     cmd_run,
     describe_exit,
+    options_from_args,
     resolve_nats_url,
     slot_of,
     with_process_defaults,
@@ -78,6 +79,7 @@ def test_run_without_a_stack_exits_2_with_a_hint(
         (["run", "--nproc", "0", "x.py"], "--nproc"),
         (["run", "--nproc", "1", "--job-id", "bad id", "x.py"], "--job-id"),
         (["run", "--nproc", "1", "missing.py"], "does not exist"),
+        (["run", "--nproc", "1", "--verify-every", "-1", "x.py"], "--verify-every must be >= 0"),
     ],
 )
 def test_bad_run_arguments_exit_2(
@@ -110,3 +112,16 @@ def test_node_faults_are_forwarded_as_simulator_requests() -> None:
         "factor": None,
         "duration": None,
     }
+
+
+def test_verify_every_reaches_every_process_of_the_job(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
+    argv = ["run", "--nproc", "1", "--verify-every", "50", "x.py"]
+    opts = options_from_args(build_parser().parse_args(argv))
+    assert opts.extra_env == {"TORCHRELAY_VERIFY_EVERY": "50"}
+    plain = options_from_args(build_parser().parse_args(["run", "--nproc", "1", "x.py"]))
+    assert plain.extra_env == {}
