@@ -25,7 +25,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import AwareDatetime, BaseModel
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api.auth import (
@@ -48,9 +48,13 @@ from services.api.gateway import (
     unauthorized,
 )
 from services.api.kept import INCIDENTS_PATH, KeptAnswers, incidents_key
+from services.api.limits import BodyLimit
 from services.api.models import (
     CURSOR_PATTERN,
+    PERIOD_FORMAT,
     PERIOD_PATTERN,
+    SPARE_CURSOR_PATTERN,
+    TIMESTAMP_FORMAT,
     CloseTermResult,
     ClusterView,
     Contract,
@@ -65,16 +69,18 @@ from services.api.models import (
     NodeReturned,
     NodeView,
     Page,
+    Period,
     Problem,
     SpareDepth,
     SpareRegistration,
     SpareSlot,
     Timeline,
+    Timestamp,
     TokenInfo,
     TokenIssued,
     TokenRequest,
 )
-from services.api.settings import ApiSettings
+from services.api.settings import DEFAULT_MAX_BODY_BYTES, ApiSettings
 from torchrelay import __version__
 from torchrelay.bus import Bus
 from torchrelay.contract import Resolution, SpareState
@@ -94,7 +100,19 @@ MAX_LIMIT = 500
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="page size")]
 Cursor = Annotated[
     str | None,
-    Query(pattern=CURSOR_PATTERN, max_length=256, description="next_cursor of the previous page"),
+    Query(
+        pattern=CURSOR_PATTERN,
+        max_length=9,
+        description="next_cursor of the previous page: an offset, 1-9 digits",
+    ),
+]
+SpareCursor = Annotated[
+    str | None,
+    Query(
+        pattern=SPARE_CURSOR_PATTERN,
+        max_length=256,
+        description="next_cursor of the previous page: the last slot_id it listed",
+    ),
 ]
 NodeName = Annotated[str, Path(pattern=NAME_PATTERN, max_length=128)]
 JobId = Annotated[str, Path(pattern=TOKEN_PATTERN, max_length=128)]
@@ -454,12 +472,21 @@ def _add_routes(app: FastAPI) -> None:
         status_code=202,
         response_model=DrainAccepted,
         summary="planned maintenance: move every rank off the node at a step boundary",
+        responses={404: {"description": "no node of that name is known to the detector"}},
     )
     async def drain_node(
         gw: Gw, who: Operator, node: NodeName, body: Annotated[DrainRequest | None, Body()] = None
     ) -> DrainAccepted:
         cluster = body.cluster if body else None
         reason = body.reason if body else "planned maintenance"
+        # The scheduler drains whatever name it is given (a node without ranks drains at
+        # once): the detector, which knows every node that reported, says whether it exists.
+        await gw.call(
+            "detector",
+            "node_get",
+            {"node": node, "cluster": cluster},
+            missing=not_found("node", node, "node"),
+        )
         result = await gw.call(
             "scheduler",
             "drain",
@@ -503,7 +530,7 @@ def _add_routes(app: FastAPI) -> None:
         cluster: ClusterQ = None,
         state: SpareState | None = None,
         limit: Limit = DEFAULT_LIMIT,
-        cursor: Cursor = None,
+        cursor: SpareCursor = None,
     ) -> SpareSlotPage:
         data = await gw.call(
             "spare_pool",
@@ -517,7 +544,7 @@ def _add_routes(app: FastAPI) -> None:
         )
         raw, nxt = items_of(data, "spare_pool", "list")
         slots = parse_list(SpareSlot, raw, "spare_pool", "list")
-        if isinstance(data, list):
+        if isinstance(data, list):  # a pool that answers a bare list: paged here by offset
             slots, nxt = page_locally(slots, limit, cursor)
         return SpareSlotPage(items=slots, next_cursor=nxt)
 
@@ -632,6 +659,12 @@ def _add_routes(app: FastAPI) -> None:
         tags=["incidents"],
         response_model=IncidentPage,
         summary="incidents, newest first (a tenant token sees its own)",
+        responses={
+            422: {
+                "description": "`from`/`to` are not date-times as described, `to` is before "
+                "`from`, or `cursor` is not an offset"
+            }
+        },
     )
     async def list_incidents(
         request: Request,
@@ -641,8 +674,13 @@ def _add_routes(app: FastAPI) -> None:
         job_id: Annotated[str | None, Query(pattern=TOKEN_PATTERN, max_length=128)] = None,
         tenant: TenantQ = None,
         resolution: Resolution | None = None,
-        from_: Annotated[AwareDatetime | None, Query(alias="from")] = None,
-        to: AwareDatetime | None = None,
+        from_: Annotated[
+            Timestamp | None,
+            Query(alias="from", description=f"detected at or after: {TIMESTAMP_FORMAT}"),
+        ] = None,
+        to: Annotated[
+            Timestamp | None, Query(description=f"detected at or before: {TIMESTAMP_FORMAT}")
+        ] = None,
         limit: Limit = DEFAULT_LIMIT,
         cursor: Cursor = None,
     ) -> Response:
@@ -693,6 +731,12 @@ def _add_routes(app: FastAPI) -> None:
         status_code=201,
         response_model=Contract,
         summary="create a guarantee contract",
+        responses={
+            422: {
+                "description": f"a field is invalid; term_start and term_end must be "
+                f"{TIMESTAMP_FORMAT}"
+            }
+        },
     )
     async def create_contract(gw: Gw, _: Operator, body: ContractRequest) -> Contract:
         return await gw.fetch(Contract, "billing", "contract_create", body.model_dump(mode="json"))
@@ -745,13 +789,15 @@ def _add_routes(app: FastAPI) -> None:
         tags=["billing"],
         response_model=Guarantee,
         summary="the guarantee for the current term",
+        responses={422: {"description": f"`at` is not {TIMESTAMP_FORMAT}"}},
     )
     async def get_guarantee(
         gw: Gw,
         who: Who,
         contract_id: ObjectId,
         at: Annotated[
-            AwareDatetime | None, Query(description="a time inside the term (default: now)")
+            Timestamp | None,
+            Query(description=f"a time inside the term (default: now): {TIMESTAMP_FORMAT}"),
         ] = None,
     ) -> Guarantee:
         if not who.is_operator:
@@ -809,19 +855,20 @@ def _add_routes(app: FastAPI) -> None:
         tags=["billing"],
         summary="FOCUS 1.2 rows for a month",
         responses={
+            422: {"description": f"`period` is not {PERIOD_FORMAT}"},
             200: {
                 "description": "FOCUS rows",
                 "content": {
                     "text/csv": {"schema": {"type": "string"}},
                     "application/json": {"schema": {}},
                 },
-            }
+            },
         },
     )
     async def billing_export(
         gw: Gw,
         _: Operator,
-        period: Annotated[str, Query(pattern=PERIOD_PATTERN, description="YYYY-MM")],
+        period: Annotated[Period, Query(pattern=PERIOD_PATTERN, description=PERIOD_FORMAT)],
         format: Literal["csv", "json"] = "csv",
     ) -> Response:
         data = await gw.call("billing", "export", {"period": period, "format": format})
@@ -947,6 +994,8 @@ _ERROR_STATUSES = {
     "403": "an operator route called with a tenant token",
     "404": "no such object (or another tenant's)",
     "409": "conflicts with the current state",
+    "413": "the request body is over TORCHRELAY_API_MAX_BODY_BYTES (default 1 MiB): refused "
+    "before it is read and before the token is checked; `field` is `body`",
     "422": "invalid input; `field` names it",
     "502": "a service answered with an error or an unexpected shape",
     "503": "the service that owns the data is not answering; `service` names it",
@@ -970,10 +1019,14 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     for path, operations in doc.get("paths", {}).items():
         for op in operations.values():
             responses = op.setdefault("responses", {})
-            responses.pop("422", None)
+            # FastAPI's own 422 (its validation error shape) is replaced by the problem's.
+            if responses.get("422", {}).get("description") == "Validation Error":
+                responses.pop("422")
             if path.startswith("/v1/"):
                 for status, text in _ERROR_STATUSES.items():
-                    responses[status] = {"description": text, "content": problem}
+                    # A route's own description of a status says more than the generic one.
+                    given = responses.get(status, {}).get("description")
+                    responses[status] = {"description": given or text, "content": problem}
             elif path == "/readyz":
                 responses["503"] = {
                     "description": "not ready",
@@ -1020,11 +1073,20 @@ class _HttpMetrics:
 class _PortalApp(FastAPI):
     """FastAPI with the kept answers (:mod:`services.api.kept`) in front of it: a repeated
     ``GET /v1/incidents`` of a remembered token is answered before routing and before
-    FastAPI's per-request telemetry; every other request is FastAPI's."""
+    FastAPI's per-request telemetry; every other request is FastAPI's. In front of both, the
+    body limit (:mod:`services.api.limits`) refuses an oversized body with 413 unread."""
 
     kept: KeptAnswers | None = None
+    # The body limit, outermost: set by create_app (services.api.limits).
+    body_limit: BodyLimit | None = None
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if self.body_limit is not None and scope["type"] == "http":
+            await self.body_limit(scope, receive, send)
+            return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         kept = self.kept
         if (
             kept is not None
@@ -1131,8 +1193,11 @@ def create_app(
         description=(
             "One authenticated surface over every torchrelay service. Send "
             "`Authorization: Bearer <token>`; errors are RFC 9457 problem documents "
-            "naming the offending `field`. Lists take `limit` and `cursor` and "
-            "return `{items, next_cursor}`."
+            "naming the offending `field`. Lists take `limit` and `cursor` (the "
+            "`next_cursor` of the previous page) and return `{items, next_cursor}`. "
+            "Date-times are RFC 3339 text with a UTC offset (numbers are refused). A request "
+            "body over TORCHRELAY_API_MAX_BODY_BYTES (default 1 MiB) is refused with 413 "
+            "before it is read."
         ),
         openapi_tags=[
             {"name": n}
@@ -1148,6 +1213,11 @@ def create_app(
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(_HttpMetrics, state=st)
     app.kept = KeptAnswers(st)
+
+    def max_body_bytes() -> int:
+        return st.settings.max_body_bytes if st.settings is not None else DEFAULT_MAX_BODY_BYTES
+
+    app.body_limit = BodyLimit(app._serve, max_body_bytes)
     return app
 
 

@@ -8,12 +8,15 @@ compatibility) and pass them through.
 
 from __future__ import annotations
 
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -24,9 +27,63 @@ from torchrelay.contract import Contract, Guarantee, Incident, Name, SpareSlot, 
 
 T = TypeVar("T")
 
-# Opaque pagination cursor: services choose the content, the API only bounds its shape.
-CURSOR_PATTERN = r"^[A-Za-z0-9_\-.:=+/]{1,256}$"
+# Pagination cursors, exactly what the services take: the scheduler's and billing's lists
+# (and the lists the API pages itself) take an offset (the services' ``^[0-9]+$``, bounded
+# here to nine digits); the spare pool's list takes the last slot_id of the previous page.
+CURSOR_PATTERN = r"^[0-9]{1,9}$"
+SPARE_CURSOR_PATTERN = r"^[A-Za-z0-9_\-.:/]{1,256}$"
 PERIOD_PATTERN = r"^[0-9]{4}-(0[1-9]|1[0-2])$"
+# Timestamps and billing periods the API takes: every service can compute with them (a year
+# 0 or 10000 is out of Python's datetime range, and a service hitting it answered 502).
+MIN_YEAR, MAX_YEAR = 1970, 9998
+MIN_TIMESTAMP = datetime(MIN_YEAR, 1, 1, tzinfo=UTC)
+MAX_TIMESTAMP = datetime(MAX_YEAR, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+TIMESTAMP_FORMAT = (
+    "an RFC 3339 date-time with a UTC offset, e.g. 2026-01-01T00:00:00Z, between "
+    f"{MIN_YEAR}-01-01T00:00:00Z and {MAX_YEAR}-12-31T23:59:59Z; numbers (Unix times) "
+    "are refused"
+)
+PERIOD_FORMAT = f"YYYY-MM, a month of the years {MIN_YEAR} to {MAX_YEAR}, e.g. 2026-01"
+_DATE_START = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def _timestamp_text(value: Any) -> Any:
+    """Refuse what is not written as a date-time: pydantic would take a number (or a string
+    of digits) as a Unix time."""
+    if isinstance(value, datetime) or (isinstance(value, str) and _DATE_START.match(value)):
+        return value
+    raise ValueError(f"must be {TIMESTAMP_FORMAT}")
+
+
+def _timestamp_in_range(value: datetime) -> datetime:
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        utc = None
+    if utc is None or not MIN_TIMESTAMP <= utc <= MAX_TIMESTAMP:
+        raise ValueError(
+            f"is out of range: must be between {MIN_YEAR}-01-01T00:00:00Z and "
+            f"{MAX_YEAR}-12-31T23:59:59Z"
+        )
+    return value
+
+
+def _period_in_range(value: str) -> str:
+    year = int(value[:4]) if value[:4].isdigit() else 0
+    if not MIN_YEAR <= year <= MAX_YEAR:
+        raise ValueError(f"year {value[:4]} is out of range: must be {PERIOD_FORMAT}")
+    return value
+
+
+# A timestamp of a request: text in RFC 3339 form only, with an offset, in range.
+Timestamp = Annotated[
+    AwareDatetime,
+    BeforeValidator(_timestamp_text),
+    AfterValidator(_timestamp_in_range),
+    Field(description=TIMESTAMP_FORMAT),
+]
+# A billing period ``YYYY-MM`` whose month every service can compute with.
+Period = Annotated[str, Field(pattern=PERIOD_PATTERN), AfterValidator(_period_in_range)]
 # Money is integer minor units; bounded so every consumer can hold it in an int64.
 MAX_MINOR = 10**15
 
@@ -236,8 +293,8 @@ class ContractRequest(BaseModel):
 
     contract_id: Name | None = None
     tenant: Token
-    term_start: AwareDatetime
-    term_end: AwareDatetime
+    term_start: Timestamp
+    term_end: Timestamp
     renewal_fee_minor: int = Field(ge=0, le=MAX_MINOR)
     currency: Currency
     threshold: float = Field(default=0.9, gt=0, le=1)
@@ -287,7 +344,10 @@ class LedgerVerification(Passthrough):
 __all__ = [
     "CURSOR_PATTERN",
     "MAX_MINOR",
+    "PERIOD_FORMAT",
     "PERIOD_PATTERN",
+    "SPARE_CURSOR_PATTERN",
+    "TIMESTAMP_FORMAT",
     "CloseTermResult",
     "ClusterView",
     "Contract",
@@ -302,6 +362,7 @@ __all__ = [
     "NodeReturned",
     "NodeView",
     "Page",
+    "Period",
     "Problem",
     "RankView",
     "SpareDepth",
@@ -309,6 +370,7 @@ __all__ = [
     "SpareSlot",
     "Timeline",
     "TimelineEntry",
+    "Timestamp",
     "TokenIssued",
     "TokenRequest",
 ]

@@ -12,6 +12,8 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX, ServiceSettings
 
 MIN_OPERATOR_TOKEN_LEN = 24
+# TORCHRELAY_API_MAX_BODY_BYTES's default: 1 MiB, far above any JSON body the API takes.
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 # Fragments of the placeholders people paste from examples.
 _PLACEHOLDERS = (
     "changeme",
@@ -68,6 +70,14 @@ class ApiSettings(ServiceSettings):
     # Identical list queries of one token scope are answered from the last answer this long.
     list_cache_s: float = Field(default=1.0, ge=0, le=60)
     ui_refresh_s: int = Field(default=10, ge=1, le=3600)
+    # Request bodies larger than this are refused with 413 before they are read and before
+    # the token is checked (TORCHRELAY_API_MAX_BODY_BYTES; services/api/limits.py).
+    max_body_bytes: int = Field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        ge=1024,
+        le=1024**3,
+        validation_alias="TORCHRELAY_API_MAX_BODY_BYTES",
+    )
 
     @field_validator("operator_token")
     @classmethod
