@@ -15,7 +15,9 @@ encoded here on PyNaCl.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,7 +32,7 @@ from typing import Any
 import nacl.exceptions
 import nacl.signing
 
-from torchrelay.contract import GENERATIONS_BUCKET, Subjects
+from torchrelay.contract import CONSUMERS, GENERATIONS_BUCKET, STREAMS, Subjects
 
 log = logging.getLogger("torchrelay.auth")
 
@@ -38,6 +40,8 @@ CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
 JOB_USER_PREFIX = "job."
 # Inbox prefix of a job's connections: they may subscribe to replies under it only.
 JOB_INBOX_PREFIX = "_INBOX_"
+# Inbox prefix of the static roles (``_RINBOX.<role>``): disjoint from every job's.
+ROLE_INBOX_PREFIX = "_RINBOX"
 GENERATIONS_STREAM = f"KV_{GENERATIONS_BUCKET}"
 KV_PREFIX = f"$KV.{GENERATIONS_BUCKET}"
 
@@ -47,6 +51,10 @@ ROLES = (*SERVICE_ROLES, "node_agent", "launcher", "operator")
 # or forge events on purpose. No process of the stack uses it.
 ADMIN = "admin"
 USERS = (*ROLES, ADMIN)
+# The scheduler's user in the system account: it may only list connections and close them
+# (a revoked job's live connections end at once).
+REVOKER = "revoker"
+SYSTEM_ACCOUNT = "SYS"
 DEFAULT_JOB_TTL_S = 30 * 24 * 3600.0
 
 
@@ -210,18 +218,44 @@ class Permissions:
         return out
 
 
-# What every trusted process needs to use JetStream, request/reply and its dead letters.
-_JS = ("$JS.API.>", "$JS.ACK.>", "$JS.FC.>")
-# Only the executor writes generations; nobody else may touch the KV stream's messages.
-_NO_GENERATION_WRITES = (
-    f"{KV_PREFIX}.>",
-    f"$JS.API.STREAM.PURGE.{GENERATIONS_STREAM}",
-    f"$JS.API.STREAM.MSG.DELETE.{GENERATIONS_STREAM}",
-    f"$JS.API.STREAM.DELETE.{GENERATIONS_STREAM}",
-    f"$JS.API.STREAM.UPDATE.{GENERATIONS_STREAM}",
+# JetStream's administration API (stream/consumer create, update, delete, purge, message
+# get/delete) is the provisioning identity's alone: a stream or consumer made by anyone else
+# could RePublish, mirror, source or push-deliver into a protected subject, and the server
+# does not check the creator's publish permissions on those internal deliveries. Each runtime
+# role gets exactly the API subjects its own work needs.
+_API = "$JS.API"
+# Reading the generations bucket: bind (stream info) and direct gets of a key's last value.
+_GENERATION_READS = (
+    f"{_API}.STREAM.INFO.{GENERATIONS_STREAM}",
+    f"{_API}.DIRECT.GET.{GENERATIONS_STREAM}.{KV_PREFIX}.>",
 )
+# Only the executor writes generations; nobody else may touch the KV stream's messages.
+_NO_GENERATION_WRITES = (f"{KV_PREFIX}.>",)
 # Events that only one role may publish (the rest of tr.evt.> is split below).
 _FAULTS = (Subjects.FAULT_DETECTED, Subjects.NODE_HEALTH)
+
+
+def _runtime_js(role: str) -> tuple[str, ...]:
+    """What a role's own JetStream work needs: look at the streams (read-only), read the
+    generations bucket, and pull, inspect and ack its own durable consumers (which ``admin``
+    provisions)."""
+    out = [f"{_API}.STREAM.INFO.{spec.name}" for spec in STREAMS]
+    out += _GENERATION_READS
+    for spec in CONSUMERS.values():
+        if spec.service != role:
+            continue
+        out += [
+            f"{_API}.CONSUMER.MSG.NEXT.{spec.stream}.{spec.durable}",
+            f"{_API}.CONSUMER.INFO.{spec.stream}.{spec.durable}",
+            f"$JS.ACK.{spec.stream}.{spec.durable}.>",
+        ]
+    return tuple(out)
+
+
+def role_inbox(role: str) -> str:
+    """The inbox prefix of a role's connections: replies to one role (a job credential the
+    scheduler mints for the launcher, say) cannot be read by another."""
+    return f"{ROLE_INBOX_PREFIX}.{role}"
 
 
 def _rpc(service: str, verb: str = "*") -> str:
@@ -229,17 +263,22 @@ def _rpc(service: str, verb: str = "*") -> str:
 
 
 def role_permissions(role: str) -> Permissions:
-    """The NATS permissions of a trusted role (DESIGN.md §2 "Who may say what").
+    """The NATS permissions of a trusted role (docs/security.md, "Who may do what").
 
     Raises:
         AuthError: ``role`` is not one of :data:`ROLES`.
     """
-    inbox = ("_INBOX.>",)
+    if role == ADMIN:
+        return Permissions(pub_allow=(">",), sub_allow=(">",), responses=True)
+    if role not in ROLES:
+        raise AuthError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
+    inbox = (f"{role_inbox(role)}.>",)
     deny = _NO_GENERATION_WRITES
+    runtime = _runtime_js(role)
     if role == "detector":
         return Permissions(
             pub_allow=(
-                *_JS,
+                *runtime,
                 *_FAULTS,
                 "tr.int.detector.>",
                 "tr.int.detector-critical.>",
@@ -260,7 +299,7 @@ def role_permissions(role: str) -> Permissions:
     if role == "scheduler":
         return Permissions(
             pub_allow=(
-                *_JS,
+                *runtime,
                 Subjects.MIGRATION_REQUESTED,
                 Subjects.INCIDENT_OPENED,
                 Subjects.INCIDENT_CLOSED,
@@ -280,7 +319,7 @@ def role_permissions(role: str) -> Permissions:
         )
     if role == "spare_pool":
         return Permissions(
-            pub_allow=(*_JS, "tr.evt.spare.>", Subjects.dlq(role)),
+            pub_allow=(*runtime, "tr.evt.spare.>", Subjects.dlq(role)),
             sub_allow=(*inbox, _rpc(role, ">"), Subjects.HEARTBEATS_ALL),
             pub_deny=deny,
             responses=True,
@@ -288,7 +327,7 @@ def role_permissions(role: str) -> Permissions:
     if role == "migration_executor":
         return Permissions(
             pub_allow=(
-                *_JS,
+                *runtime,
                 f"{KV_PREFIX}.>",
                 Subjects.GENERATION_CHANGED,
                 Subjects.MIGRATION_STARTED,
@@ -304,16 +343,18 @@ def role_permissions(role: str) -> Permissions:
         )
     if role == "billing":
         return Permissions(
-            pub_allow=(*_JS, Subjects.CREDIT_ISSUED, Subjects.dlq(role)),
+            pub_allow=(*runtime, Subjects.CREDIT_ISSUED, Subjects.dlq(role)),
             sub_allow=(*inbox, _rpc(role, ">")),
             pub_deny=deny,
             responses=True,
         )
+    # Job credentials are the launcher's business alone.
+    no_minting = (_rpc("scheduler", "job_credentials"), _rpc("scheduler", "job_credentials_revoke"))
     if role == "api":
         return Permissions(
-            pub_allow=(*_JS, "tr.rpc.>", Subjects.dlq(role)),
+            pub_allow=(*runtime, "tr.rpc.>", Subjects.dlq(role)),
             sub_allow=(*inbox, _rpc(role, ">")),
-            pub_deny=(*deny, _rpc("scheduler", "job_credentials")),
+            pub_deny=(*deny, *no_minting),
             responses=True,
         )
     if role == "node_agent":
@@ -325,27 +366,23 @@ def role_permissions(role: str) -> Permissions:
     if role == "launcher":
         return Permissions(
             pub_allow=(
-                *_JS,
+                *runtime,
                 Subjects.AGENT_REPORTS_ALL,
                 Subjects.JOB_REGISTERED,
                 Subjects.JOB_FINISHED,
                 _rpc("spare_pool", "register"),
-                _rpc("scheduler", "job_credentials"),
-                _rpc("scheduler", "job_credentials_revoke"),
+                *no_minting,
             ),
             sub_allow=(*inbox, "tr.ctl.launcher.>", Subjects.FENCE_ALL, Subjects.MIGRATION_FAILED),
             pub_deny=deny,
             responses=True,
         )
-    if role == "operator":
-        return Permissions(
-            pub_allow=(*_JS, "tr.rpc.>", "tr.ctl.chaos.>", "tr.ctl.launcher.*.pid"),
-            sub_allow=(*inbox,),
-            pub_deny=(*deny, _rpc("scheduler", "job_credentials")),
-        )
-    if role == ADMIN:
-        return Permissions(pub_allow=(">",), sub_allow=(">",), responses=True)
-    raise AuthError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
+    # operator
+    return Permissions(
+        pub_allow=("tr.rpc.>", "tr.ctl.chaos.>", "tr.ctl.launcher.*.pid"),
+        sub_allow=inbox,
+        pub_deny=(*deny, *no_minting),
+    )
 
 
 def job_user(job_id: str) -> str:
@@ -444,8 +481,18 @@ def _hash(password: str) -> str:
     return hashlib.sha256(password.encode()).hexdigest()
 
 
+class CredentialRefused(AuthError):
+    """A mint or revoke the store refuses: another launcher's job, another tenant, or a live
+    credential that would be replaced."""
+
+
 class JobCredentialStore:
-    """Job credentials in Redis under the scheduler's prefix; the password is stored hashed."""
+    """Job credentials in Redis under the scheduler's prefix; the password is stored hashed.
+
+    The first launcher to mint for a job id claims it with a secret of its own (stored
+    hashed): minting or revoking for that job needs the same claim, for the same tenant, and
+    a live credential is never replaced.
+    """
 
     def __init__(self, redis: Any, prefix: str = "tr:scheduler") -> None:
         self._redis = redis
@@ -454,20 +501,58 @@ class JobCredentialStore:
     def _key(self, user: str) -> str:
         return f"{self._prefix}:jobcred:{user}"
 
+    def _claim_key(self, job_id: str) -> str:
+        return f"{self._prefix}:jobclaim:{job_id}"
+
+    async def _check_claim(self, job_id: str, claim: str, tenant: str | None) -> None:
+        raw = await self._redis.get(self._claim_key(job_id))
+        if raw is None:
+            raise CredentialRefused(f"job {job_id} has no credential to revoke")
+        record = json.loads(raw)
+        if not secrets.compare_digest(str(record["hash"]), _hash(claim)):
+            raise CredentialRefused(f"job {job_id} belongs to another launcher (claim differs)")
+        if tenant is not None and record["tenant"] != tenant:
+            raise CredentialRefused(
+                f"job {job_id} belongs to tenant {record['tenant']!r}, not {tenant!r}"
+            )
+
     async def mint(
-        self, job_id: str, tenant: str, ttl_s: float = DEFAULT_JOB_TTL_S
+        self, job_id: str, tenant: str, claim: str, ttl_s: float = DEFAULT_JOB_TTL_S
     ) -> tuple[str, str, float]:
-        """A new credential of ``job_id`` (replacing an older one): user, password, expiry."""
+        """A new credential of ``job_id``: user, password, expiry.
+
+        Raises:
+            CredentialRefused: the job is claimed by another launcher or tenant, or it has
+                a live credential.
+        """
+        ttl = max(1, int(ttl_s) + 1)
+        claim_record = json.dumps({"tenant": tenant, "hash": _hash(claim)})
+        if not await self._redis.set(self._claim_key(job_id), claim_record, ex=ttl, nx=True):
+            await self._check_claim(job_id, claim, tenant)
         user = job_user(job_id)
         password = secrets.token_urlsafe(32)
         expires_at = time.time() + ttl_s
         record = {"job_id": job_id, "tenant": tenant, "hash": _hash(password), "exp": expires_at}
-        await self._redis.set(self._key(user), json.dumps(record), ex=max(1, int(ttl_s) + 1))
+        if not await self._redis.set(self._key(user), json.dumps(record), ex=ttl, nx=True):
+            raise CredentialRefused(
+                f"job {job_id} already has a live credential; it is not replaced (it ends "
+                "when the job finishes, is revoked, or expires)"
+            )
         return user, password, expires_at
 
-    async def revoke(self, job_id: str) -> bool:
-        """Forget the credential of ``job_id``; True if there was one."""
-        return bool(await self._redis.delete(self._key(job_user(job_id))))
+    async def revoke(self, job_id: str, claim: str | None = None) -> bool:
+        """Forget the credential of ``job_id`` and its claim; True if there was one.
+
+        ``claim`` None is the scheduler's own revocation (the job finished); otherwise it
+        must be the claim the credential was minted with.
+
+        Raises:
+            CredentialRefused: ``claim`` is not the job's.
+        """
+        if claim is not None:
+            await self._check_claim(job_id, claim, None)
+        removed = await self._redis.delete(self._key(job_user(job_id)), self._claim_key(job_id))
+        return bool(removed)
 
     async def check(self, user: str, password: str) -> JobGrant | None:
         """The grant of a live credential matching ``user``/``password``, else None."""
@@ -480,6 +565,37 @@ class JobCredentialStore:
         if float(record["exp"]) <= time.time():
             return None
         return JobGrant(str(record["job_id"]), str(record["tenant"]), float(record["exp"]))
+
+
+async def kick_user(nc: Any, user: str, tag: str | None = None, wait_s: float = 0.5) -> int:
+    """Close every live connection of ``user`` (or carrying ``tag``) on every server: the
+    system account's ``CONNZ`` ping finds them, ``KICK`` closes them. ``nc`` is a
+    connection of the :data:`REVOKER` user. Returns how many connections were closed."""
+    replies: list[dict[str, Any]] = []
+
+    async def _collect(msg: Any) -> None:
+        with contextlib.suppress(ValueError):
+            replies.append(json.loads(msg.data))
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=_collect)
+    try:
+        query = {"auth": True, "limit": 100_000}
+        await nc.publish("$SYS.REQ.SERVER.PING.CONNZ", json.dumps(query).encode(), reply=inbox)
+        await asyncio.sleep(wait_s)  # every server of a cluster answers
+    finally:
+        await sub.unsubscribe()
+    kicked = 0
+    for reply in replies:
+        server_id = str((reply.get("server") or {}).get("id") or "")
+        for conn in (reply.get("data") or {}).get("connections") or []:
+            tags = conn.get("tags") or []
+            if conn.get("authorized_user") != user and (tag is None or tag not in tags):
+                continue
+            body = json.dumps({"cid": conn["cid"]}).encode()
+            await nc.request(f"$SYS.REQ.SERVER.{server_id}.KICK", body, timeout=2.0)
+            kicked += 1
+    return kicked
 
 
 # --------------------------------------------------------------------------- generated files
@@ -495,6 +611,95 @@ def _conf_value(value: Any, indent: str = "") -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return json.dumps(str(value))
+
+
+# The Redis commands each service's ACL user may run (``-@all`` then exactly these); every
+# other command is refused with NOPERM: SWAPDB, REPLICAOF, CLIENT KILL/PAUSE, SAVE, SELECT,
+# KEYS, FLUSH*, CONFIG, MONITOR, PUBLISH, SCRIPT FLUSH, FUNCTION, ... A command a Lua script
+# calls (``redis.call``) is checked against the script's caller, so it is listed too. A
+# service that starts sending a new command needs it here, or it gets NOPERM
+# (tests/integration/foundation/test_redis_acl.py runs each service's Redis work as its user).
+# Left out on purpose:
+# - HELLO and AUTH need no permission. redis-py's optional handshake commands (CLIENT SETINFO,
+#   CLIENT MAINT_NOTIFICATIONS) are refused and redis-py ignores the refusal: a CLIENT
+#   subcommand the server does not know makes Redis 7 reject the whole ACL file.
+# - SELECT: redis-py sends none for database 0, and ``AuthBundle.redis_url`` ends in ``/0``.
+# - CONFIG GET (billing's durability check): it would read every secret of the server's
+#   configuration; refused, billing reports ``ledger_durability`` as unknown.
+_REDIS_CONNECT = ("ping",)  # service.connect_redis, the detector's warm-up, the API's readiness
+_REDIS_DEDUPE = ("exists", "set")  # bus.RedisDeduper, behind every ServiceContext.consume
+_REDIS_SCRIPTS = ("evalsha", "script|load")  # register_script: EVALSHA, SCRIPT LOAD on NOSCRIPT
+_REDIS_MULTI = ("multi", "exec")  # pipeline(transaction=True)
+_REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
+    # services/api/auth.py TokenStore (no consumer: no dedupe)
+    "api": (
+        *_REDIS_CONNECT,
+        *_REDIS_MULTI,
+        *("get", "set", "del", "hget", "hgetall", "hset", "hsetnx", "hdel"),
+    ),
+    # services/billing/ledger.py (Ledger, and in APPEND_LUA / CREATE_CONTRACT_LUA)
+    "billing": (
+        *_REDIS_CONNECT,
+        *_REDIS_DEDUPE,
+        *_REDIS_SCRIPTS,
+        *_REDIS_MULTI,
+        *("get", "mget", "hget", "hmget", "hgetall", "hset", "hsetnx", "hincrby"),
+        *("rpush", "lrange", "sadd", "sismember", "smembers"),
+        *("zadd", "zrange", "zrangebyscore", "zrevrangebyscore"),
+    ),
+    # services/detector/state.py (its stores, and in their Lua) and service.py
+    "detector": (
+        *_REDIS_CONNECT,
+        *_REDIS_DEDUPE,
+        *_REDIS_SCRIPTS,
+        "eval",
+        *("get", "del", "expire", "hexists", "hget", "hgetall", "hlen", "hset", "hvals"),
+        *("sadd", "sismember", "smembers", "zadd", "zrangebyscore", "zrem", "zremrangebyscore"),
+    ),
+    # services/migration_executor/store.py (ExecutorStore, and in its Lua) and service.py.
+    # SCAN (forget_reports) lists key names of every prefix: SCAN has no key to check.
+    "migration_executor": (
+        *_REDIS_CONNECT,
+        *_REDIS_DEDUPE,
+        *_REDIS_MULTI,
+        "eval",
+        *("get", "del", "expire", "scan", "hexists", "hgetall", "hlen", "hmget", "hset"),
+        *("sadd", "scard", "smembers", "srem", "zadd", "zrevrange"),
+    ),
+    # services/scheduler/registry.py (WATCH/MULTI/EXEC; UNWATCH on reset), incidents.py,
+    # their Lua, and torchrelay.auth.JobCredentialStore (credentials.py)
+    "scheduler": (
+        *_REDIS_CONNECT,
+        *_REDIS_DEDUPE,
+        *_REDIS_MULTI,
+        *("watch", "unwatch", "eval"),
+        *("get", "mget", "del", "hgetall", "hset", "sadd", "smembers", "srem"),
+        *("zadd", "zrange", "zrevrange", "zrevrangebyscore"),
+    ),
+    # services/spare_pool/inventory.py (Inventory, and in its Lua library and scripts)
+    "spare_pool": (
+        *_REDIS_CONNECT,
+        *_REDIS_DEDUPE,
+        *_REDIS_SCRIPTS,
+        *_REDIS_MULTI,
+        *("get", "del", "persist", "pexpire", "time"),
+        *("hdel", "hget", "hgetall", "hkeys", "hmget", "hset", "hsetnx"),
+        *("rpush", "lrange", "ltrim", "sadd", "smembers", "srem"),
+        *("zadd", "zrange", "zrangebylex", "zrangebyscore", "zrem", "zscore"),
+    ),
+}
+
+
+def redis_commands(role: str) -> tuple[str, ...]:
+    """The Redis commands ``role``'s ACL user may run, sorted (``command|subcommand`` for a
+    subcommand).
+
+    Raises:
+        AuthError: ``role`` is not a service with a Redis user.
+    """
+    if role not in _REDIS_COMMANDS:
+        raise AuthError(f"no Redis user for {role!r}: expected one of {', '.join(SERVICE_ROLES)}")
+    return tuple(sorted(set(_REDIS_COMMANDS[role])))
 
 
 @dataclass
@@ -538,9 +743,28 @@ class AuthBundle:
         ]
         block = {
             "users": users,
-            "auth_callout": {"issuer": self.issuer.public, "auth_users": list(USERS)},
+            "auth_callout": {"issuer": self.issuer.public, "auth_users": [*USERS, REVOKER]},
         }
-        return f"authorization {_conf_value(block)}\n"
+        revoker = Permissions(
+            pub_allow=("$SYS.REQ.SERVER.PING.CONNZ", "$SYS.REQ.SERVER.*.KICK"),
+            sub_allow=(f"{role_inbox(REVOKER)}.>",),
+        )
+        accounts = {
+            SYSTEM_ACCOUNT: {
+                "users": [
+                    {
+                        "user": REVOKER,
+                        "password": self.passwords[REVOKER],
+                        "permissions": revoker.as_config(),
+                    }
+                ]
+            }
+        }
+        return (
+            f"authorization {_conf_value(block)}\n"
+            f"accounts {_conf_value(accounts)}\n"
+            f"system_account: {SYSTEM_ACCOUNT}\n"
+        )
 
     def redis_url(
         self, host: str, port: int, role: str | None = None, scheme: str = "redis"
@@ -552,12 +776,15 @@ class AuthBundle:
         return f"{scheme}://:{self.redis_password}@{host}:{port}/0"
 
     def redis_acl(self) -> str:
-        """ACL users: each service under its own key prefix (``tr:<service>``)."""
+        """ACL users: ``default`` (probes, recovery) may do anything; each service only its
+        own keys (``tr:<service>``, ``tr:<service>:*``), no Pub/Sub channel, and only the
+        commands it uses (:func:`redis_commands`)."""
         lines = [f"user default on >{self.redis_password} ~* &* +@all"]
         for role, password in sorted(self.redis_passwords.items()):
+            allowed = " ".join(f"+{c}" for c in redis_commands(role))
             lines.append(
-                f"user {role} on >{password} ~tr:{role}:* ~tr:{role} &* +@all "
-                "-flushall -flushdb -shutdown -config -acl -debug -module"
+                f"user {role} on >{password} resetkeys ~tr:{role}:* ~tr:{role} "
+                f"resetchannels -@all {allowed}"
             )
         return "\n".join(lines) + "\n"
 
@@ -595,13 +822,15 @@ def ensure_bundle(directory: Path) -> AuthBundle:
     secret_dir = directory / "secrets"
     secret_dir.mkdir(exist_ok=True)
     os.chmod(secret_dir, 0o700)
-    passwords = {r: _read_or_new(secret_dir / f"nats-{r}.password", token) for r in USERS}
+    passwords = {
+        r: _read_or_new(secret_dir / f"nats-{r}.password", token) for r in (*USERS, REVOKER)
+    }
     redis_password = _read_or_new(secret_dir / "redis-default.password", token)
     redis_passwords = {
         r: _read_or_new(secret_dir / f"redis-{r}.password", token) for r in SERVICE_ROLES
     }
     bundle = AuthBundle(directory, issuer, passwords, redis_password, redis_passwords)
-    for role in USERS:
+    for role in (*USERS, REVOKER):
         _write_secret(bundle.cred_path(role), f"{role}:{passwords[role]}\n")
     _write_secret(bundle.nats_conf_path, bundle.nats_authorization())
     _write_secret(bundle.redis_acl_path, bundle.redis_acl())
@@ -633,6 +862,7 @@ def cmd_auth(args: Any) -> int:
     print(f"  {bundle.nats_conf_path.name:<22} NATS users, permissions, auth callout (servers)")
     for role in USERS:
         print(f"  {bundle.cred_path(role).name:<22} NATS credential of {role}")
+    print(f"  {bundle.cred_path(REVOKER).name:<22} the scheduler's system-account user (kicks)")
     print("  issuer.seed            the scheduler signs job-scoped users with it")
     print(f"  {bundle.redis_acl_path.name:<22} Redis users (redis-server --aclfile)")
     print("  compose.env            Redis passwords: append to docker-compose's .env")
@@ -650,10 +880,13 @@ def load_issuer(path: str | Path) -> NKey:
 __all__ = [
     "ADMIN",
     "CALLOUT_SUBJECT",
+    "REVOKER",
     "ROLES",
+    "ROLE_INBOX_PREFIX",
     "USERS",
     "AuthBundle",
     "AuthError",
+    "CredentialRefused",
     "JobCredentialStore",
     "JobGrant",
     "NKey",
@@ -668,6 +901,9 @@ __all__ = [
     "job_inbox_prefix",
     "job_permissions",
     "job_user",
+    "kick_user",
     "load_issuer",
+    "redis_commands",
+    "role_inbox",
     "role_permissions",
 ]

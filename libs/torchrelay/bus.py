@@ -40,6 +40,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
 
+from torchrelay.auth import REVOKER, ROLES, role_inbox
 from torchrelay.contract import (
     CONSUMERS,
     GENERATIONS_BUCKET,
@@ -312,6 +313,9 @@ class Bus:
         if job_id:
             # A job's credential may subscribe to replies under its own inbox prefix only.
             opts["inbox_prefix"] = f"{JOB_INBOX_PREFIX}{job_id}"
+        elif user in ROLES or user == REVOKER:
+            # So may each role: one role's replies are not readable by another.
+            opts["inbox_prefix"] = role_inbox(user)
         tls = tls if tls is not None else TlsFiles.from_env()
         if tls.enabled:
             opts["tls"] = tls.context()
@@ -445,6 +449,64 @@ class Bus:
 
     # ----------------------------------------------------------------- provisioning
 
+    async def provision(self, replicas: int = 1) -> None:
+        """Create or update every stream, the generations bucket and every durable consumer
+        (idempotent): ``torchrelay up`` and ``torchrelay provision`` do it as ``admin``, the
+        only identity that may administer JetStream when authentication is on."""
+        await self.provision_streams(replicas)
+        for spec in CONSUMERS.values():
+            await self.provision_consumer(spec)
+
+    async def ensure_provisioned(self, replicas: int = 1) -> None:
+        """Check that the streams and the generations bucket exist, creating them only where
+        they are missing (an open server; a restricted role cannot and is told how to).
+
+        Raises:
+            BusError: something is missing and this connection may not create it.
+        """
+        missing = []
+        for spec in STREAMS:
+            try:
+                await self.js.stream_info(spec.name)
+            except nats.js.errors.NotFoundError:
+                missing.append(spec.name)
+            except (nats.errors.TimeoutError, TimeoutError):
+                # No permission to look (or no JetStream): it is checked where it is used.
+                continue
+        if not missing:
+            await self._bind_generations()
+            return
+        try:
+            await self.provision_streams(replicas)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            raise BusError(_not_provisioned(", ".join(missing), self.user, exc)) from exc
+
+    async def _bind_generations(self) -> None:
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            await self.generations()
+
+    async def ensure_consumer(self, spec: ConsumerSpec) -> None:
+        """The durable consumer of ``spec``: found, or created where this connection may.
+
+        Raises:
+            BusError: it is missing and this connection may not create it.
+        """
+        try:
+            await self.js.consumer_info(spec.stream, spec.durable)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            raise BusError(
+                _not_provisioned(f"consumer {spec.durable} of {spec.stream}", self.user, exc)
+            ) from exc
+        try:
+            await self.provision_consumer(spec)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            raise BusError(
+                _not_provisioned(f"consumer {spec.durable} of {spec.stream}", self.user, exc)
+            ) from exc
+
     async def provision_streams(self, replicas: int = 1) -> None:
         """Create or update the streams and the generations KV bucket (idempotent)."""
         for spec in STREAMS:
@@ -577,7 +639,7 @@ class Bus:
         two round trips.
         """
         if provision:
-            await self.provision_consumer(spec)
+            await self.ensure_consumer(spec)
         psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
         self._subs.append(psub)
         self._tasks.append(
@@ -925,6 +987,14 @@ class Bus:
                 f"generation of job {generation.job_id} changed since revision "
                 f"{expected_revision}: {exc}"
             ) from exc
+
+
+def _not_provisioned(what: str, user: str | None, exc: BaseException) -> str:
+    return (
+        f"JetStream {what} is missing (or hidden from NATS user {user or '(anonymous)'}, "
+        f"which may not create it: {exc!r}); provision the stack first (`torchrelay up` does, or "
+        "`torchrelay provision` with the admin credential)"
+    )
 
 
 def _jsonable(value: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +22,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "ledger": ("torchrelay.client", "cmd_ledger", "ledger tools: verify"),
     "demo": ("torchrelay.demo", "cmd_demo", "the whole story on this machine"),
     "auth": ("torchrelay.auth", "cmd_auth", "NATS/Redis credentials for a deployment"),
+    "provision": (
+        "torchrelay.stack",
+        "cmd_provision",
+        "create or update JetStream's streams and consumers (admin credential)",
+    ),
 }
 
 
@@ -50,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="compare the ranks' tracked state every N steps and stop the job if they differ "
         "(sets TORCHRELAY_VERIFY_EVERY for every process; 0: never)",
+    )
+    run.add_argument(
+        "--run-as",
+        default=None,
+        metavar="USER",
+        help="run the training processes as USER (torchrelay run started as root), so the "
+        "training code cannot read the stack's files",
     )
     run.add_argument(
         "--no-node-agents",
@@ -96,6 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help=COMMANDS["demo"][2])
 
+    prov = sub.add_parser("provision", help=COMMANDS["provision"][2])
+    prov.add_argument("--state-dir", default=None)
+    prov.add_argument("--nats-url", default=None, help="default: NATS_URL, else stack.json")
+    prov.add_argument(
+        "--credentials",
+        default=None,
+        help="admin credential file (default: TORCHRELAY_NATS_CREDENTIALS, else stack.json's)",
+    )
+    prov.add_argument(
+        "--replicas",
+        type=int,
+        default=int(os.environ.get("TORCHRELAY_STREAM_REPLICAS") or 1),
+        choices=range(1, 6),
+        metavar="1-5",
+        help="stream replicas (default: TORCHRELAY_STREAM_REPLICAS, else 1)",
+    )
     auth = sub.add_parser("auth", help=COMMANDS["auth"][2])
     auth.add_argument("action", choices=["init"])
     auth.add_argument("--out", required=True, help="directory for the generated files (0700)")

@@ -607,7 +607,17 @@ class JobCredentialsRequest(Message):
 
     job_id: Token
     tenant: Token
+    # A secret of the launcher's own: the job is bound to it, so only the same launcher may
+    # mint or revoke the job's credential (the scheduler keeps it hashed).
+    claim: str = Field(min_length=16, max_length=256)
     ttl_s: float = Field(default=30 * 24 * 3600.0, gt=0, le=365 * 24 * 3600.0)
+
+
+class JobCredentialsRevoke(Message):
+    """The launcher ends its job's credential (``job_credentials_revoke``)."""
+
+    job_id: Token
+    claim: str = Field(min_length=16, max_length=256)
 
 
 class JobCredentials(Message):

@@ -16,9 +16,12 @@ import contextlib
 import importlib.util
 import json
 import os
+import pwd
 import re
+import secrets
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,6 +42,7 @@ from torchrelay.contract import (
     Generation,
     JobCredentials,
     JobCredentialsRequest,
+    JobCredentialsRevoke,
     JobFinished,
     JobPolicy,
     JobRegistered,
@@ -71,6 +75,41 @@ REGISTER_CONFLICT_PAUSE_S = 0.5
 # die here with 4 KB pages, 31-42 ms with huge pages; first touches of a fresh state buffer
 # (28.5 MB) took 7-12 ms instead of 18-22 ms.
 PROCESS_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+# What the stack's own processes are told and a training process is not: where the stack's
+# state and secrets are, tokens, Redis, and credentials other than the job's own.
+STACK_ONLY_ENV = frozenset(
+    {
+        "TORCHRELAY_HOME",
+        "TORCHRELAY_AUTH_DIR",
+        "TORCHRELAY_AUTH_ISSUER_SEED_FILE",
+        "TORCHRELAY_NATS_REVOKER_CREDENTIALS",
+        "TORCHRELAY_NODE_AGENT_CREDENTIALS",
+        "TORCHRELAY_NATS_CREDENTIALS",
+        "TORCHRELAY_OPERATOR_TOKEN",
+        "TORCHRELAY_TOKEN",
+        "REDIS_URL",
+        "REDIS_PASSWORD",
+    }
+)
+
+
+def run_as_ids(user: str) -> tuple[int, int]:
+    """The uid and gid ``--run-as USER`` names.
+
+    Raises:
+        LauncherError: not started as root, or no such user.
+    """
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise LauncherError(f"--run-as {user}: no such user") from None
+    if os.geteuid() != 0:
+        raise LauncherError(f"--run-as {user} needs torchrelay run to be started as root")
+    if entry.pw_uid == 0:
+        raise LauncherError(f"--run-as {user}: the training code must not run as root")
+    return entry.pw_uid, entry.pw_gid
 
 
 def with_process_defaults(env: dict[str, str]) -> dict[str, str]:
@@ -242,6 +281,8 @@ class Options:
     extra_env: dict[str, str] = field(default_factory=dict)
     node_agents: bool = True
     node_agent_credentials: str | None = None
+    # --run-as: the training processes' uid and gid (the launcher runs as root).
+    run_as: tuple[int, int] | None = None
 
 
 class Launcher:
@@ -262,6 +303,8 @@ class Launcher:
         self._node_agents: list[asyncio.subprocess.Process] = []
         # The job-scoped credential the children connect with (None on an open server).
         self.job_credentials: Path | None = None
+        # Binds the job's credential to this launcher: only it may mint or revoke it.
+        self._claim = secrets.token_urlsafe(32)
 
     @property
     def bus(self) -> Bus:
@@ -271,7 +314,8 @@ class Launcher:
     # ----------------------------------------------------------------- spawning
 
     def _env(self, child: Child) -> dict[str, str]:
-        env = dict(os.environ)
+        # The customer's code gets its job credential and nothing of the stack's.
+        env = {k: v for k, v in os.environ.items() if k not in STACK_ONLY_ENV}
         env.update(self.opts.extra_env)
         env = with_process_defaults(env)
         env.update(
@@ -307,7 +351,7 @@ class Launcher:
             try:
                 got = await self.bus.request(
                     Subjects.rpc("scheduler", "job_credentials"),
-                    JobCredentialsRequest(job_id=o.job_id, tenant=o.tenant),
+                    JobCredentialsRequest(job_id=o.job_id, tenant=o.tenant, claim=self._claim),
                     timeout=10.0,
                 )
                 break
@@ -321,6 +365,8 @@ class Launcher:
         with os.fdopen(fd, "w") as out:
             out.write(f"{creds.user}:{creds.password}\n")
         os.chmod(path, 0o600)
+        if o.run_as is not None:
+            os.chown(path, *o.run_as)
         self.job_credentials = path
 
     async def _revoke_job_credentials(self) -> None:
@@ -331,7 +377,7 @@ class Launcher:
         with contextlib.suppress(BusError):
             await self.bus.request(
                 Subjects.rpc("scheduler", "job_credentials_revoke"),
-                {"job_id": self.opts.job_id},
+                JobCredentialsRevoke(job_id=self.opts.job_id, claim=self._claim),
                 timeout=5.0,
             )
         with contextlib.suppress(OSError):
@@ -344,12 +390,17 @@ class Launcher:
         if latch is not None:
             env.update(latch.child_env())
         try:
+            as_user: dict[str, Any] = {}
+            if self.opts.run_as is not None:
+                uid, gid = self.opts.run_as
+                as_user = {"user": uid, "group": gid, "extra_groups": []}
             child.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 self.opts.script,
                 *self.opts.script_args,
                 env=env,
                 pass_fds=(latch.fd,) if latch is not None and latch.fd is not None else (),
+                **as_user,
             )
         finally:
             if latch is not None:
@@ -743,6 +794,10 @@ class Launcher:
         """Launch, supervise and end the job; returns the exit code for the shell."""
         o = self.opts
         o.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(o.run_dir, 0o700)
+        if o.run_as is not None:
+            # The training processes own their run dir (exit records) and nothing else.
+            os.chown(o.run_dir, *o.run_as)
         try:
             self._bus = await Bus.connect(
                 o.nats_url, f"launcher-{o.job_id}", credentials=o.credentials, timeout=10.0
@@ -826,10 +881,7 @@ class Launcher:
         self._changed.set()
 
     async def _ensure_streams(self) -> None:
-        try:
-            await self.bus.js.stream_info("TR_EVENTS")
-        except Exception:
-            await self.bus.provision_streams()
+        await self.bus.ensure_provisioned()
         await self.bus.generations()
 
     async def _finish(self, outcome: Outcome, summary: str) -> int:
@@ -883,6 +935,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
     script = Path(args.script)
     if not script.is_file():
         raise LauncherError(f"training script {args.script} does not exist")
+    run_as_user = getattr(args, "run_as", None)
+    run_as = run_as_ids(run_as_user) if run_as_user else None
+    if run_as is not None:
+        script = script.resolve()  # the training user may not share the launcher's cwd
     cluster = os.environ.get("TORCHRELAY_CLUSTER", "local")
     home = Path(os.environ.get("TORCHRELAY_HOME", ".torchrelay"))
     script_args = list(args.args)
@@ -901,7 +957,12 @@ def options_from_args(args: argparse.Namespace) -> Options:
         script_args=script_args,
         nats_url=resolve_nats_url(),
         cluster=cluster,
-        run_dir=(home / "runs" / job_id).resolve(),
+        run_dir=(
+            (home / "runs" / job_id).resolve()
+            if run_as is None
+            else Path(tempfile.gettempdir()) / "torchrelay-runs" / job_id
+        ),
+        run_as=run_as,
         credentials=resolve_credentials("launcher"),
         node_agents=not getattr(args, "no_node_agents", False),
         extra_env={} if verify_every is None else {"TORCHRELAY_VERIFY_EVERY": str(verify_every)},

@@ -165,13 +165,22 @@ def nats_config_text(
     return "\n".join(lines) + "\n"
 
 
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(path, 0o600)
+
+
 def nats_server(state_dir: Path, port: int | None = None, extra_config: str = "") -> ServerProcess:
     """Prepare (not start) an embedded ``nats-server`` with JetStream under ``state_dir``."""
     port = port or free_port()
     data = state_dir / "nats"
     data.mkdir(parents=True, exist_ok=True)
     conf = data / "nats.conf"
-    conf.write_text(nats_config_text(port, data / "jetstream", extra=extra_config))
+    os.chmod(data, 0o700)
+    # Every role's password is in it when authentication is on.
+    _write_private(conf, nats_config_text(port, data / "jetstream", extra=extra_config))
     argv = [str(find_nats_server()), "-c", str(conf)]
     return ServerProcess(
         "nats-server",
@@ -200,6 +209,7 @@ def redis_server(
     port = port or free_port()
     data = state_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
+    os.chmod(data, 0o700)  # the AOF holds the ledger and the job credentials' hashes
     argv = [
         str(find_redis_server()),
         "--port",

@@ -220,7 +220,7 @@ async def serve_service(
     health = HealthServer(ctx, metrics, ready)
     port = await health.start(settings.http_host, settings.http_port)
     try:
-        await bus.provision_streams(settings.stream_replicas)
+        await bus.ensure_provisioned(settings.stream_replicas)
         await setup(ctx)
         # Ready means reachable: the server has every subscription the setup made (a
         # request sent the moment readiness shows would otherwise find no responder).

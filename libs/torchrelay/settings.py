@@ -86,6 +86,8 @@ class ServiceSettings(CommonSettings):
     redis_password_required: bool = False
     # The scheduler's auth-callout issuer seed (job-scoped NATS users); see torchrelay.auth.
     auth_issuer_seed_file: Path | None = None
+    # The scheduler's system-account user that closes a revoked job's connections.
+    nats_revoker_credentials: Path | None = None
 
     @model_validator(mode="after")
     def _production_needs_auth(self) -> ServiceSettings:

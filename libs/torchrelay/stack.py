@@ -8,6 +8,7 @@ writes ``stack.json``, and restarts a crashed service (or server) with backoff.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.auth import ADMIN, AuthBundle, ensure_bundle
+from torchrelay.auth import ADMIN, REVOKER, AuthBundle, ensure_bundle
+from torchrelay.bus import Bus, BusError
 from torchrelay.contract import SERVICES
 from torchrelay.runtime import ServerProcess, free_port, nats_server, redis_server
 from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX
@@ -126,6 +128,7 @@ class Supervisor:
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)  # secrets, tokens, the servers' data
         self.auth = self._auth_bundle()
         if not self.nats_url:
             extra = self.auth.nats_authorization() if self.auth else ""
@@ -135,6 +138,7 @@ class Supervisor:
             self.nats_auth = self.auth is not None
         else:
             self.nats_auth = bool(os.environ.get("TORCHRELAY_AUTH_DIR"))
+        self.provision()
         redis_host = redis_port = None
         if not self.redis_url:
             self.servers["redis"] = redis_server(
@@ -171,6 +175,7 @@ class Supervisor:
                     env["TORCHRELAY_AUTH_ISSUER_SEED_FILE"] = str(
                         self.auth.directory / "issuer.seed"
                     )
+                    env["TORCHRELAY_NATS_REVOKER_CREDENTIALS"] = str(self.auth.cred_path(REVOKER))
             if self.auth is not None and redis_host is not None and redis_port is not None:
                 # Each service its own Redis user, limited to its key prefix.
                 env["REDIS_URL"] = self.auth.redis_url(redis_host, redis_port, role=name)
@@ -190,6 +195,14 @@ class Supervisor:
                 f"{', '.join(missing)}; see {self.state_dir / 'logs'}"
             )
         self.write_stack()
+
+    def provision(self) -> None:
+        """Create the streams, the bucket and the durable consumers as ``admin`` (the only
+        identity allowed to administer JetStream when authentication is on)."""
+        assert self.nats_url is not None
+        creds = self.auth.cred_path(ADMIN) if self.auth is not None and self.nats_auth else None
+        replicas = int(os.environ.get("TORCHRELAY_STREAM_REPLICAS") or 1)
+        asyncio.run(provision_stack(self.nats_url, creds, replicas))
 
     def tick(self) -> None:
         """Check every process once: mark readiness, restart the dead with backoff."""
@@ -287,6 +300,38 @@ class Supervisor:
         while not stop:
             self.tick()
             time.sleep(0.2)
+
+
+async def provision_stack(nats_url: str, credentials: Path | None, replicas: int = 1) -> None:
+    """Provision JetStream for the stack (idempotent; updates a changed configuration)."""
+    bus = await Bus.connect(
+        nats_url, "torchrelay-provision", credentials=str(credentials) if credentials else None
+    )
+    try:
+        await bus.provision(replicas)
+    finally:
+        await bus.close()
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    """``torchrelay provision``: create or update the streams, the generations bucket and
+    the durable consumers, with the admin credential (deploy jobs, recovery by hand)."""
+    nats_url = args.nats_url or os.environ.get("NATS_URL")
+    state_dir = state_dir_from(args.state_dir)
+    stack = read_stack(state_dir) or {}
+    nats_url = nats_url or stack.get("nats_url")
+    if not nats_url:
+        print("torchrelay provision: no NATS_URL and no running stack", file=sys.stderr)
+        return 2
+    creds = args.credentials or os.environ.get("TORCHRELAY_NATS_CREDENTIALS")
+    creds = creds or (stack.get("credentials") or {}).get(ADMIN)
+    try:
+        asyncio.run(provision_stack(nats_url, Path(creds) if creds else None, args.replicas))
+    except BusError as exc:
+        print(f"torchrelay provision: {exc}", file=sys.stderr)
+        return 1
+    print(f"torchrelay provision: streams, bucket and consumers ready on {nats_url}")
+    return 0
 
 
 def supervise(state_dir: Path) -> int:

@@ -5,9 +5,15 @@ of one job; the password is kept only hashed, under the scheduler's Redis prefix
 credential's expiry. When a job's process connects with it, the NATS server sends an
 authorization request to ``$SYS.REQ.USER.AUTH``; :func:`setup_credentials` answers it with
 a user JWT limited to the job's own subjects (:func:`torchrelay.auth.job_permissions`),
-signed with the issuer seed the server trusts (``TORCHRELAY_AUTH_ISSUER_SEED_FILE``). The
-credential is revoked when the job ends (the launcher's ``job_credentials_revoke`` and the
-``job.finished`` event) and expires on its own.
+signed with the issuer seed the server trusts (``TORCHRELAY_AUTH_ISSUER_SEED_FILE``).
+
+A job id is bound to the launcher that first minted for it (its secret ``claim``) and its
+tenant; another claim, another tenant, or a second mint while a credential is live is
+refused (``conflict``). The credential is revoked when the job ends (the launcher's
+``job_credentials_revoke`` with its claim, and the ``job.finished`` event), and then the
+job's live connections are closed through the system account (``revoker.cred``,
+``TORCHRELAY_NATS_REVOKER_CREDENTIALS``); their reconnects are refused at the callout. It
+also expires on its own.
 """
 
 from __future__ import annotations
@@ -20,34 +26,67 @@ from nats.aio.msg import Msg
 
 from torchrelay.auth import (
     CALLOUT_SUBJECT,
+    CredentialRefused,
     JobCredentialStore,
     answer_authorization,
+    job_user,
+    kick_user,
     load_issuer,
 )
+from torchrelay.bus import Bus, Conflict
 from torchrelay.contract import (
     JobCredentials,
     JobCredentialsRequest,
+    JobCredentialsRevoke,
     JobFinished,
-    Message,
     Subjects,
-    Token,
 )
 from torchrelay.service import ServiceContext
 
 ISSUER_ENV = "TORCHRELAY_AUTH_ISSUER_SEED_FILE"
+# The system-account user that may list and close connections (``revoker.cred``).
+REVOKER_ENV = "TORCHRELAY_NATS_REVOKER_CREDENTIALS"
 
 
-class _Revoke(Message):
-    job_id: Token
+async def _connect_revoker(ctx: ServiceContext) -> Bus | None:
+    path = ctx.settings.nats_revoker_credentials or os.environ.get(REVOKER_ENV)
+    if not path:
+        ctx.readiness["revocation_closes_connections"] = "off"
+        return None
+    bus = await Bus.connect(
+        ctx.settings.nats_url, "scheduler-revoker", credentials=str(path), timeout=10.0
+    )
+    ctx.closers.append(bus.close)
+    ctx.readiness["revocation_closes_connections"] = "on"
+    return bus
 
 
 async def setup_credentials(ctx: ServiceContext) -> None:
-    """Serve the credential verbs; answer auth callouts when the issuer seed is configured."""
+    """Serve the credential verbs; answer auth callouts when the issuer seed is configured;
+    end a revoked job's live connections when the revoker credential is configured."""
     store = JobCredentialStore(ctx.redis, ctx.prefix)
+    revoker = await _connect_revoker(ctx)
+
+    async def end(job_id: str) -> None:
+        await store.revoke(job_id)
+        if revoker is None:
+            return
+        try:
+            kicked = await kick_user(revoker.nc, job_user(job_id), tag=f"job:{job_id}")
+        except Exception as exc:  # the credential is gone anyway: reconnects are refused
+            ctx.log.warning("closing the connections of job %s failed: %r", job_id, exc)
+            return
+        ctx.log.info("job connections closed", extra={"job_id": job_id, "count": kicked})
 
     async def job_credentials(body: dict[str, Any]) -> JobCredentials:
         req = JobCredentialsRequest.model_validate(body)
-        user, password, expires_at = await store.mint(req.job_id, req.tenant, req.ttl_s)
+        try:
+            user, password, expires_at = await store.mint(
+                req.job_id, req.tenant, req.claim, req.ttl_s
+            )
+        except CredentialRefused as exc:
+            ctx.log.warning("job credential refused: %s", exc, extra={"job_id": req.job_id})
+            raise Conflict(str(exc), "job_id") from exc
         ctx.log.info("job credential issued", extra={"job_id": req.job_id, "user": user})
         return JobCredentials(
             job_id=req.job_id,
@@ -57,10 +96,14 @@ async def setup_credentials(ctx: ServiceContext) -> None:
         )
 
     async def job_credentials_revoke(body: dict[str, Any]) -> dict[str, Any]:
-        req = _Revoke.model_validate(body)
-        revoked = await store.revoke(req.job_id)
+        req = JobCredentialsRevoke.model_validate(body)
+        try:
+            await store.revoke(req.job_id, req.claim)  # checks the claim first
+        except CredentialRefused as exc:
+            raise Conflict(str(exc), "job_id") from exc
+        await end(req.job_id)
         ctx.log.info("job credential revoked", extra={"job_id": req.job_id})
-        return {"job_id": req.job_id, "revoked": revoked}
+        return {"job_id": req.job_id, "revoked": True}
 
     await ctx.serve("job_credentials", job_credentials)
     await ctx.serve("job_credentials_revoke", job_credentials_revoke)
@@ -71,7 +114,7 @@ async def setup_credentials(ctx: ServiceContext) -> None:
         except ValueError:
             return
         try:
-            await store.revoke(finished.job_id)
+            await end(finished.job_id)
         except Exception as exc:  # Redis down: the credential still expires on its own
             ctx.log.warning("revoking the credential of %s failed: %r", finished.job_id, exc)
 

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import stat
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from services.scheduler.credentials import setup_credentials
-from torchrelay.auth import AuthBundle, JobCredentialStore, ensure_bundle, generation_direct_get
+from torchrelay.auth import ensure_bundle, generation_direct_get
 from torchrelay.bus import Bus, BusError, PermissionRefused, TlsFiles
 from torchrelay.contract import (
     AgentReport,
@@ -42,83 +38,18 @@ from torchrelay.contract import (
     Subjects,
     make_event_id,
 )
-from torchrelay.observability import ServiceMetrics
-from torchrelay.runtime import ServerProcess, nats_server, redis_server
-from torchrelay.service import ServiceContext
-from torchrelay.settings import ServiceSettings
+from torchrelay.runtime import nats_server
 
+from .authstack import CLAIM, Plane, Servers, plane, refused, role_bus, servers
 
-@dataclass
-class Servers:
-    bundle: AuthBundle
-    nats: ServerProcess
-    redis: ServerProcess
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    state = tmp_path_factory.mktemp("auth")
-    bundle = ensure_bundle(state / "auth")
-    nats_proc = nats_server(state, extra_config=bundle.nats_authorization())
-    redis_proc = redis_server(state, password=bundle.redis_password, aclfile=bundle.redis_acl_path)
-    nats_proc.start()
-    try:
-        redis_proc.start()
-        yield Servers(bundle, nats_proc, redis_proc)
-    finally:
-        redis_proc.stop()
-        nats_proc.stop()
-
-
-async def _bus(servers: Servers, role: str) -> Bus:
-    return await Bus.connect(
-        servers.nats.url, f"test-{role}", credentials=str(servers.bundle.cred_path(role))
-    )
-
-
-@dataclass
-class Plane:
-    """The scheduler's credential side and the executor, connected with their own users."""
-
-    scheduler: Bus
-    executor: Bus
-    redis: Any
-    store: JobCredentialStore
-
-
-@pytest.fixture
-async def plane(servers: Servers) -> AsyncIterator[Plane]:
-    executor = await _bus(servers, "migration_executor")
-    await executor.provision_streams()
-    scheduler = await _bus(servers, "scheduler")
-    url = servers.bundle.redis_url("127.0.0.1", servers.redis.port, role="scheduler")
-    client = aioredis.from_url(url)
-    ctx = ServiceContext(
-        "scheduler",
-        ServiceSettings(),
-        scheduler,
-        client,
-        ServiceMetrics("scheduler-auth-test"),
-        logging.getLogger("test.scheduler"),
-    )
-    os.environ["TORCHRELAY_AUTH_ISSUER_SEED_FILE"] = str(servers.bundle.directory / "issuer.seed")
-    try:
-        await setup_credentials(ctx)
-    finally:
-        os.environ.pop("TORCHRELAY_AUTH_ISSUER_SEED_FILE", None)
-    assert ctx.readiness["auth_callout"] == "on"
-    try:
-        yield Plane(scheduler, executor, client, JobCredentialStore(client, ctx.prefix))
-    finally:
-        await scheduler.close()
-        await executor.close()
-        await client.aclose()
+__all__ = ["plane", "servers"]  # fixtures
 
 
 async def _job_credential(servers: Servers, launcher_bus: Bus, job_id: str, tmp: Path) -> str:
     """What the launcher does: ask the scheduler, write the file 0600."""
     got = await launcher_bus.request(
-        Subjects.rpc("scheduler", "job_credentials"), {"job_id": job_id, "tenant": "acme"}
+        Subjects.rpc("scheduler", "job_credentials"),
+        {"job_id": job_id, "tenant": "acme", "claim": CLAIM},
     )
     path = tmp / f"{job_id}.cred"
     path.write_text(f"{got['user']}:{got['password']}\n")
@@ -152,20 +83,10 @@ def _report(job_id: str, tag: str) -> AgentReport:
     )
 
 
-async def _refused(bus: Bus, subject: str, timeout: float = 3.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = bus.refused(subject)
-        if found:
-            return found
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the server did not refuse {subject} (refusals: {bus.refusals})")
-
-
 async def test_job_credential_reaches_only_its_own_job(
     servers: Servers, plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    launcher = await _bus(servers, "launcher")
+    launcher = await role_bus(servers, "launcher")
     try:
         cred_a = await _job_credential(servers, launcher, "job-a", tmp_path)
         await _job_credential(servers, launcher, "job-b", tmp_path)
@@ -175,7 +96,7 @@ async def test_job_credential_reaches_only_its_own_job(
     await plane.executor.put_generation(_generation("job-b", 1), None)
 
     agent = await Bus.connect(servers.nats.url, "agent-job-a", credentials=cred_a)
-    admin = await _bus(servers, "admin")
+    admin = await role_bus(servers, "admin")
     try:
         assert agent.job_id == "job-a"
         assert agent.user == "job.job-a"
@@ -231,7 +152,7 @@ async def test_job_credential_reaches_only_its_own_job(
             subject = f"$KV.tr_generations.{key}"
             await agent.nc.publish(subject, _generation(key, 99).model_dump_json().encode())
             await agent.confirm()
-            await _refused(agent, subject)
+            await refused(agent, subject)
         for key in ("job-a", "job-b"):
             got = await plane.executor.get_generation(key)
             assert got is not None
@@ -242,10 +163,10 @@ async def test_job_credential_reaches_only_its_own_job(
             await agent.request(generation_direct_get("job-b"), {}, timeout=1.0)
         await agent.nc.subscribe("$KV.tr_generations.job-b", cb=_collect([]))
         await agent.confirm()
-        await _refused(agent, "$KV.tr_generations.job-b")
+        await refused(agent, "$KV.tr_generations.job-b")
         await agent.nc.subscribe("tr.evt.>", cb=_collect([]))
         await agent.confirm()
-        await _refused(agent, "tr.evt.>")
+        await refused(agent, "tr.evt.>")
 
         # Cannot publish on another job's subjects.
         with pytest.raises(PermissionRefused, match=r"tr\.evt\.report\.job-b"):
@@ -254,7 +175,7 @@ async def test_job_credential_reaches_only_its_own_job(
             )
         await agent.publish_core(Subjects.heartbeat("job-b"), beat)
         await agent.confirm()
-        await _refused(agent, Subjects.heartbeat("job-b"))
+        await refused(agent, Subjects.heartbeat("job-b"))
         # Nor ask the control plane anything.
         with pytest.raises(PermissionRefused):
             await agent.request(Subjects.rpc("scheduler", "job_credentials"), {}, timeout=1.0)
@@ -272,7 +193,7 @@ async def test_job_credential_reaches_only_its_own_job(
 async def test_generation_put_reaches_the_job_live(
     servers: Servers, plane: Plane, tmp_path: Path
 ) -> None:
-    launcher = await _bus(servers, "launcher")
+    launcher = await role_bus(servers, "launcher")
     try:
         cred = await _job_credential(servers, launcher, "job-live", tmp_path)
     finally:
@@ -298,7 +219,7 @@ async def test_generation_put_reaches_the_job_live(
 async def test_expired_revoked_and_unknown_job_credentials_are_refused_at_connect(
     servers: Servers, plane: Plane, tmp_path: Path
 ) -> None:
-    user, password, _ = await plane.store.mint("job-short", "acme", ttl_s=1.0)
+    user, password, _ = await plane.store.mint("job-short", "acme", CLAIM, ttl_s=1.0)
     short = tmp_path / "short.cred"
     short.write_text(f"{user}:{password}\n")
     agent = await Bus.connect(servers.nats.url, "agent-short", credentials=str(short))
@@ -307,13 +228,14 @@ async def test_expired_revoked_and_unknown_job_credentials_are_refused_at_connec
     with pytest.raises(BusError, match=r"refused user job\.job-short"):
         await Bus.connect(servers.nats.url, "agent-short", credentials=str(short), timeout=3)
 
-    user, password, _ = await plane.store.mint("job-revoked", "acme")
+    user, password, _ = await plane.store.mint("job-revoked", "acme", CLAIM)
     revoked = tmp_path / "revoked.cred"
     revoked.write_text(f"{user}:{password}\n")
-    launcher = await _bus(servers, "launcher")
+    launcher = await role_bus(servers, "launcher")
     try:
         got = await launcher.request(
-            Subjects.rpc("scheduler", "job_credentials_revoke"), {"job_id": "job-revoked"}
+            Subjects.rpc("scheduler", "job_credentials_revoke"),
+            {"job_id": "job-revoked", "claim": CLAIM},
         )
         assert got["revoked"] is True
     finally:
@@ -335,7 +257,7 @@ async def test_a_live_job_connection_outlives_the_callout_and_reconnects(
     """The user JWT has no expiry of its own (nats-py would close, not reconnect, a
     connection whose JWT expires); after the server restarts, the job reconnects through
     the callout while its credential is live."""
-    user, password, _ = await plane.store.mint("job-long", "acme", ttl_s=3600.0)
+    user, password, _ = await plane.store.mint("job-long", "acme", CLAIM, ttl_s=3600.0)
     path = tmp_path / "long.cred"
     path.write_text(f"{user}:{password}\n")
     agent = await Bus.connect(servers.nats.url, "agent-long", credentials=str(path))
@@ -376,8 +298,8 @@ async def test_a_live_job_connection_outlives_the_callout_and_reconnects(
 async def test_service_credentials_can_do_their_work_and_nothing_else(
     servers: Servers, plane: Plane
 ) -> None:
-    detector = await _bus(servers, "detector")
-    launcher = await _bus(servers, "launcher")
+    detector = await role_bus(servers, "detector")
+    launcher = await role_bus(servers, "launcher")
     try:
         fault = FaultDetected(
             event_id=make_event_id("real-fault", time.time()),
@@ -399,7 +321,7 @@ async def test_service_credentials_can_do_their_work_and_nothing_else(
         for bus in (detector, launcher):
             await bus.nc.publish("$KV.tr_generations.job-svc", b"{}")
             await bus.confirm()
-            await _refused(bus, "$KV.tr_generations.job-svc")
+            await refused(bus, "$KV.tr_generations.job-svc")
         # The launcher reads generations, registers jobs, but may not publish a fault.
         found = await launcher.get_generation("job-svc")
         assert found is not None
@@ -407,7 +329,7 @@ async def test_service_credentials_can_do_their_work_and_nothing_else(
         with pytest.raises(PermissionRefused):
             await launcher.publish(fault, Subjects.FAULT_DETECTED, timeout=0.5)
         # The operator's CLI and the API may not mint job credentials.
-        operator = await _bus(servers, "operator")
+        operator = await role_bus(servers, "operator")
         try:
             with pytest.raises(PermissionRefused):
                 await operator.request(

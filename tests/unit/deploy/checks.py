@@ -425,10 +425,30 @@ def redis_durability_problems(where: str, argv: Sequence[str]) -> list[str]:
 # ------------------------------------------------------------------------ compose
 
 
+def is_cli_job(svc: Mapping[str, Any]) -> bool:
+    """A one-shot container running a ``torchrelay`` CLI verb (``provision``), not a service."""
+    argv = as_argv(svc.get("command"))
+    return argv[:3] == ["python", "-m", "torchrelay.cli"] and str(svc.get("restart")) == "no"
+
+
+def cli_job_problem(argv: list[str]) -> str | None:
+    """Why ``python -m torchrelay.cli VERB ...`` would not parse, or None."""
+    from torchrelay.cli import build_parser
+
+    try:
+        build_parser().parse_args(argv[3:])
+    except SystemExit:
+        return f"`{' '.join(argv)}` is not a valid torchrelay command line"
+    return None
+
+
 def compose_torchrelay_services(compose: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Compose services that run torchrelay code (by image, build or command)."""
+    """Compose services that run torchrelay code (by image, build or command); one-shot CLI
+    jobs (:func:`is_cli_job`) are checked apart."""
     found = {}
     for name, svc in (compose.get("services") or {}).items():
+        if is_cli_job(svc):
+            continue
         argv = as_argv(svc.get("command"))
         image = str(svc.get("image", ""))
         if (

@@ -176,3 +176,34 @@ def test_every_service_environment_loads_its_settings_class(
         monkeypatch.setenv(key, value)
     with pytest.raises(SettingsError, match="TORCHRELAY_OPERATOR_TOKEN"):
         load_settings(checks.settings_class_for(["python", "-m", "services.api"]))
+
+
+def test_jetstream_is_provisioned_by_admin_before_any_service_starts(
+    compose: dict[str, Any],
+) -> None:
+    """Only ``admin`` may administer JetStream: a one-shot ``torchrelay provision`` with the
+    admin credential runs first, and every service waits for it to succeed."""
+    services = compose["services"]
+    job = services["provision"]
+    assert checks.is_cli_job(job)
+    argv = checks.as_argv(job["command"])
+    assert argv[3] == "provision"
+    assert checks.cli_job_problem(argv) is None
+    mounted = {s["source"]: s["target"] for s in job["secrets"]}
+    assert mounted == {"nats_admin": "nats.creds"}
+    assert compose["secrets"]["nats_admin"]["file"].endswith("/admin.cred")
+    assert job["environment"]["TORCHRELAY_NATS_CREDENTIALS"] == "/run/secrets/nats.creds"
+    for name, svc in checks.compose_torchrelay_services(compose).items():
+        condition = (svc.get("depends_on") or {}).get("provision", {}).get("condition")
+        if name != "detector-agent":  # GPU hosts' telemetry only: no JetStream
+            assert condition == "service_completed_successfully", name
+        sources = {s["source"] if isinstance(s, dict) else s for s in svc.get("secrets", [])}
+        assert "nats_admin" not in sources, name
+    sched = {s["source"]: s["target"] for s in services["scheduler"]["secrets"]}
+    revoker = services["scheduler"]["environment"]["TORCHRELAY_NATS_REVOKER_CREDENTIALS"]
+    assert revoker == f"/run/secrets/{sched['nats_revoker']}"
+
+
+def test_the_cli_job_check_catches_a_bad_verb() -> None:
+    assert checks.cli_job_problem(["python", "-m", "torchrelay.cli", "provison"])
+    assert checks.cli_job_problem(["python", "-m", "torchrelay.cli", "provision"]) is None

@@ -190,3 +190,20 @@ def test_the_placeholder_secrets_do_not_start_the_api(
         monkeypatch.setenv(key, value)
     with pytest.raises(SettingsError, match="TORCHRELAY_OPERATOR_TOKEN"):
         load_settings(cls)
+
+
+def test_jetstream_is_provisioned_by_a_job_with_the_admin_credential(
+    k8s_docs: list[dict[str, Any]],
+) -> None:
+    jobs = [d for d in k8s_docs if d.get("kind") == "Job"]
+    assert [j["metadata"]["name"] for j in jobs] == ["torchrelay-provision"]
+    pod = jobs[0]["spec"]["template"]["spec"]
+    argv = pod["containers"][0]["command"]
+    assert argv[3] == "provision"
+    assert checks.cli_job_problem(argv) is None
+    items = pod["volumes"][0]["secret"]["items"]
+    assert items == [{"key": "nats-admin.cred", "path": "nats.creds"}]
+    # No long-running workload gets the admin credential.
+    for doc in k8s_docs:
+        if doc.get("kind") in ("Deployment", "StatefulSet", "DaemonSet"):
+            assert "nats-admin.cred" not in str(doc), doc["metadata"]["name"]
