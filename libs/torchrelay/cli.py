@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "training code cannot read the stack's files",
     )
     run.add_argument(
+        "--python",
+        default=None,
+        metavar="PATH",
+        help="the interpreter of the training processes (default: torchrelay's own)",
+    )
+    run.add_argument(
         "--no-node-agents",
         action="store_true",
         help="do not start a simulated detector node agent per node",

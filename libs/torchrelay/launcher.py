@@ -19,6 +19,7 @@ import os
 import pwd
 import re
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -283,6 +284,8 @@ class Options:
     node_agent_credentials: str | None = None
     # --run-as: the training processes' uid and gid (the launcher runs as root).
     run_as: tuple[int, int] | None = None
+    # --python: the training processes' interpreter (the launcher's by default).
+    python: str = sys.executable
 
 
 class Launcher:
@@ -395,7 +398,7 @@ class Launcher:
                 uid, gid = self.opts.run_as
                 as_user = {"user": uid, "group": gid, "extra_groups": []}
             child.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
+                self.opts.python,
                 self.opts.script,
                 *self.opts.script_args,
                 env=env,
@@ -935,6 +938,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
     script = Path(args.script)
     if not script.is_file():
         raise LauncherError(f"training script {args.script} does not exist")
+    python = getattr(args, "python", None) or sys.executable
+    if shutil.which(python) is None:
+        raise LauncherError(f"--python {python}: not an executable interpreter")
     run_as_user = getattr(args, "run_as", None)
     run_as = run_as_ids(run_as_user) if run_as_user else None
     if run_as is not None:
@@ -963,6 +969,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
             else Path(tempfile.gettempdir()) / "torchrelay-runs" / job_id
         ),
         run_as=run_as,
+        python=python,
         credentials=resolve_credentials("launcher"),
         node_agents=not getattr(args, "no_node_agents", False),
         extra_env={} if verify_every is None else {"TORCHRELAY_VERIFY_EVERY": str(verify_every)},

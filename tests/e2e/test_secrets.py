@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.harness import Stack
+from tests.harness import Stack, start_stack, stop_stack
 from torchrelay.launcher import STACK_ONLY_ENV
 
 SNOOP = """
@@ -50,6 +53,7 @@ out.write_text(json.dumps({
 
 
 def _snoop(stack: Stack, tmp_path: Path, *extra: str) -> dict[str, object]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "snoop.py"
     script.write_text(SNOOP)
     out = tmp_path / "snooped.json"
@@ -110,25 +114,53 @@ def test_a_training_process_gets_its_job_credential_and_nothing_else(
         assert _mode(path) == (0o700 if path.is_dir() else 0o600), path
 
 
-def _runs_python_as(user: str) -> str | None:
-    """Why ``user`` cannot run this interpreter (None when it can)."""
-    try:
-        subprocess.run([sys.executable, "-c", "import torchrelay"], user=user, check=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        return f"{user} cannot run {sys.executable} with torchrelay ({exc})"
+def _python_for(user: str) -> str | None:
+    """An interpreter ``user`` can run (the snooping script needs only the standard library):
+    this one, else the system's. CI's own lives under the 0700 ``/root``."""
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        if not Path(candidate).exists():
+            continue
+        try:
+            subprocess.run([candidate, "-c", "0"], user=user, check=True, timeout=30)
+        except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            continue
+        return candidate
     return None
 
 
-def test_run_as_keeps_every_secret_from_the_training_code(stack: Stack, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def open_stack() -> Iterator[Stack]:
+    """A stack whose state dir sits in a directory every user may traverse, so only the
+    state dir's own mode keeps another user out (the session stack's parents are 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="tr-secrets-"))
+    base.chmod(0o755)
+    stack = start_stack(base / "state")
+    try:
+        yield stack
+    finally:
+        stop_stack(stack)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_run_as_keeps_every_secret_from_the_training_code(open_stack: Stack) -> None:
     if os.geteuid() != 0:
         pytest.skip("--run-as needs torchrelay run to be started as root")
-    why = _runs_python_as("nobody")
-    if why:
-        pytest.skip(why)
-    seen = _snoop(stack, tmp_path, "--run-as", "nobody")
-    assert seen["read"] == []
-    assert seen["refused"]  # it tried, and the kernel said no
-    assert str(seen["cred_text"]).startswith("job.snoop-2:")
+    python = _python_for("nobody")
+    if python is None:
+        pytest.skip("no Python interpreter here that the user nobody may run")
+    work = Path(tempfile.mkdtemp(prefix="tr-snoop-"))
+    try:
+        work.chmod(0o777)
+        # As root (the launcher's user) the same script reads them all: the check can fail.
+        as_root = _snoop(open_stack, work / "root", "--python", python)
+        secrets_ = [p for p in as_root["read"] if "/auth/" in p]  # type: ignore[union-attr]
+        assert secrets_, as_root
+        seen = _snoop(open_stack, work / "nobody", "--run-as", "nobody", "--python", python)
+        assert seen["read"] == []
+        assert seen["refused"]  # it tried, and the kernel said no
+        assert str(seen["cred_text"]).startswith("job.snoop-4:")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_run_as_refuses_what_it_cannot_do(stack: Stack, tmp_path: Path) -> None:

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from torchrelay.chaos import cmd_chaos, node_request
 from torchrelay.cli import build_parser
+from torchrelay.contract import Role
 from torchrelay.launcher import (
+    STACK_ONLY_ENV,
+    Child,
+    Launcher,
     LauncherError,
     classify_exit,
     cmd_run,
@@ -125,3 +132,43 @@ def test_verify_every_reaches_every_process_of_the_job(
     assert opts.extra_env == {"TORCHRELAY_VERIFY_EVERY": "50"}
     plain = options_from_args(build_parser().parse_args(["run", "--nproc", "1", "x.py"]))
     assert plain.extra_env == {}
+
+
+def test_run_as_and_python_name_what_is_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
+
+    def opts(*extra: str) -> Any:
+        return options_from_args(build_parser().parse_args(["run", "--nproc", "1", *extra, "x.py"]))
+
+    with pytest.raises(LauncherError, match="--python /no/such/python: not an executable"):
+        opts("--python", "/no/such/python")
+    with pytest.raises(LauncherError, match="--run-as no-such-user-x: no such user"):
+        opts("--run-as", "no-such-user-x")
+    if os.geteuid() == 0:
+        with pytest.raises(LauncherError, match="--run-as root: the training code must not run"):
+            opts("--run-as", "root")
+    else:
+        with pytest.raises(LauncherError, match="needs torchrelay run to be started as root"):
+            opts("--run-as", "nobody")
+    plain = opts()
+    assert plain.run_as is None
+    assert plain.python == sys.executable
+
+
+def test_a_training_process_env_has_nothing_of_the_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
+    for name in STACK_ONLY_ENV:
+        monkeypatch.setenv(name, "secret")
+    launcher = Launcher(
+        options_from_args(build_parser().parse_args(["run", "--nproc", "1", "x.py"]))
+    )
+    env = launcher._env(Child("job-w0", Role.WORKER, "local-0", 0))
+    assert not set(env) & STACK_ONLY_ENV
