@@ -657,13 +657,12 @@ _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         *("sadd", "sismember", "smembers", "zadd", "zrangebyscore", "zrem", "zremrangebyscore"),
     ),
     # services/migration_executor/store.py (ExecutorStore, and in its Lua) and service.py.
-    # SCAN (forget_reports) lists key names of every prefix: SCAN has no key to check.
     "migration_executor": (
         *_REDIS_CONNECT,
         *_REDIS_DEDUPE,
         *_REDIS_MULTI,
         "eval",
-        *("get", "del", "expire", "scan", "hexists", "hgetall", "hlen", "hmget", "hset"),
+        *("get", "del", "expire", "hexists", "hgetall", "hlen", "hmget", "hset"),
         *("sadd", "scard", "smembers", "srem", "zadd", "zrevrange"),
     ),
     # services/scheduler/registry.py (WATCH/MULTI/EXEC; UNWATCH on reset), incidents.py,

@@ -114,11 +114,9 @@ class ExecutorStore:
         pipe.set(f"{self._p}:saga:{state.migration_id}", state.model_dump_json())
         if state.generation_after is not None and state.members_after:
             # Lets a RESUMED report tell whether it is the one the saga waits for.
-            pipe.set(
-                f"{self._p}:awaited:{state.job_id}:{state.generation_after}",
-                len(state.members_after),
-                ex=AWAITED_TTL_S,
-            )
+            awaited = f"{self._p}:awaited:{state.job_id}:{state.generation_after}"
+            pipe.set(awaited, len(state.members_after), ex=AWAITED_TTL_S)
+            pipe.sadd(self._report_keys(state.job_id), awaited)
         self._queue_flags(pipe, state.migration_id, state.job_id)
         *_, escalation, finished = await pipe.execute()
         return Flags(bool(escalation), bool(finished))
@@ -232,14 +230,18 @@ class ExecutorStore:
 
     async def forget_reports(self, job_id: str, after_s: int = 3600) -> None:
         """Let a finished job's agent reports expire (sagas no longer need them)."""
-        keys = [f"{self._p}:joined:{job_id}", f"{self._p}:joined_workers:{job_id}"]
-        for kind in ("resumed", "awaited"):
-            async for key in self._r.scan_iter(match=f"{self._p}:{kind}:{job_id}:*", count=500):
-                keys.append(_text(key))
+        index = self._report_keys(job_id)
+        keys = [f"{self._p}:joined:{job_id}", f"{self._p}:joined_workers:{job_id}", index]
+        keys += [_text(key) for key in await self._r.smembers(index)]
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
             pipe.expire(key, after_s)
         await pipe.execute()
+
+    def _report_keys(self, job_id: str) -> str:
+        """The set of a job's per-generation report keys (no SCAN: the executor's Redis user
+        may not list keys)."""
+        return f"{self._p}:reportkeys:{job_id}"
 
     async def mark_running(self, job_id: str) -> None:
         await self._r.set(f"{self._p}:running:{job_id}", "1")
@@ -297,7 +299,8 @@ class ExecutorStore:
         pipe.hlen(key)
         pipe.get(f"{self._p}:awaited:{report.job_id}:{report.generation}")
         pipe.exists(f"{self._p}:finished:{report.job_id}")
-        _, count, awaited, finished = await pipe.execute()
+        pipe.sadd(self._report_keys(report.job_id), key)
+        _, count, awaited, finished, _ = await pipe.execute()
         return ResumedSoFar(
             reported=int(count),
             awaited=int(awaited) if awaited is not None else None,
