@@ -1,7 +1,7 @@
 """The bus: JetStream events, core-NATS streams, request/reply and the generations KV.
 
 Every service talks to every other through this module. It owns the reliability rules of
-DESIGN.md §2: deterministic ``Nats-Msg-Id`` on publish, explicit durable consumers, ack only
+docs/design.md §2: deterministic ``Nats-Msg-Id`` on publish, explicit durable consumers, ack only
 after the handler's effects, nak with delay on transient errors, dead letters with a reason
 for poison messages, dedupe by ``event_id``, deadlines on requests, compare-and-set on KV.
 """

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not start a simulated detector node agent per node",
     )
+    run.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module, run as `python -m SCRIPT` (as torchrun -m)",
+    )
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
 

@@ -274,7 +274,7 @@ SERVICES = ("detector", "scheduler", "spare_pool", "migration_executor", "billin
 
 
 class FaultKind(StrEnum):
-    """The fault taxonomy of DESIGN.md §5."""
+    """The fault taxonomy of docs/design.md §5."""
 
     GPU_LOST = "gpu_lost"
     UNCORRECTABLE_MEMORY = "uncorrectable_memory"
@@ -733,7 +733,7 @@ class SparePoolLow(Event):
 
 
 class Incident(Message):
-    """One failure as it affected one job (field names from INTERFACES.md)."""
+    """One failure as it affected one job (field names from docs/interfaces.md)."""
 
     incident_id: str
     tenant: Token

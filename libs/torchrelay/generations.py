@@ -1,7 +1,7 @@
 """Job generations: who holds which rank, built by pure functions and written with CAS.
 
 A generation (``contract.Generation``) is the value of a job's key in the generations KV
-bucket and the fencing token of the job (docs: protocol.md §3-§5). The migration executor
+bucket and the fencing token of the job (docs/design.md §2-§3). The migration executor
 (and the agent's test helper that plays it) builds generations with the pure functions here
 and writes them with :class:`GenerationWriter`, which compare-and-sets the KV revision and
 then announces the change with a ``GenerationChanged`` event.

@@ -1,6 +1,6 @@
 """``torchrelay run``: start a job's workers and hot spares on simulated slots and supervise them.
 
-The launcher is the job's hands on this machine (protocol.md §1, §9-§11): it spawns N workers
+The launcher is the job's hands on this machine: it spawns N workers
 and S hot spares as subprocesses (``--nodes K`` spreads them over K simulated nodes),
 registers the job and its spares, reports every child's exit (a lost rank's as soon as it
 starts dying: ``deathlatch``), answers fencing orders, cold-spare spawns and pid look-ups on
@@ -286,6 +286,8 @@ class Options:
     run_as: tuple[int, int] | None = None
     # --python: the training processes' interpreter (the launcher's by default).
     python: str = sys.executable
+    # -m: ``script`` is a module name, run as ``python -m script`` (torchrun's -m).
+    module: bool = False
 
 
 class Launcher:
@@ -399,6 +401,7 @@ class Launcher:
                 as_user = {"user": uid, "group": gid, "extra_groups": []}
             child.proc = await asyncio.create_subprocess_exec(
                 self.opts.python,
+                *(("-m",) if self.opts.module else ()),
                 self.opts.script,
                 *self.opts.script_args,
                 env=env,
@@ -436,7 +439,7 @@ class Launcher:
         return child
 
     async def _start_node_agents(self) -> None:
-        """One detector node agent per simulated node, simulator backend (INTERFACES.md).
+        """One detector node agent per simulated node, simulator backend (docs/interfaces.md).
 
         They make ``torchrelay chaos xid|ecc|...`` reach the job's slots. Skipped, with a
         note, where the detector service's code is not installed.
@@ -935,15 +938,23 @@ def options_from_args(args: argparse.Namespace) -> Options:
     verify_every = getattr(args, "verify_every", None)
     if verify_every is not None and verify_every < 0:
         raise LauncherError("--verify-every must be >= 0 (steps between checks; 0: never)")
+    module = bool(getattr(args, "module", False))
     script = Path(args.script)
-    if not script.is_file():
+    if module:
+        try:
+            found = importlib.util.find_spec(args.script)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise LauncherError(f"-m {args.script}: no such module on this Python's path")
+    elif not script.is_file():
         raise LauncherError(f"training script {args.script} does not exist")
     python = getattr(args, "python", None) or sys.executable
     if shutil.which(python) is None:
         raise LauncherError(f"--python {python}: not an executable interpreter")
     run_as_user = getattr(args, "run_as", None)
     run_as = run_as_ids(run_as_user) if run_as_user else None
-    if run_as is not None:
+    if run_as is not None and not module:
         script = script.resolve()  # the training user may not share the launcher's cwd
     cluster = os.environ.get("TORCHRELAY_CLUSTER", "local")
     home = Path(os.environ.get("TORCHRELAY_HOME", ".torchrelay"))
@@ -970,6 +981,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         ),
         run_as=run_as,
         python=python,
+        module=module,
         credentials=resolve_credentials("launcher"),
         node_agents=not getattr(args, "no_node_agents", False),
         extra_env={} if verify_every is None else {"TORCHRELAY_VERIFY_EVERY": str(verify_every)},

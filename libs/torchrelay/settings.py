@@ -1,6 +1,6 @@
 """Settings: one pydantic-settings class per process, environment prefix ``TORCHRELAY_``.
 
-``NATS_URL`` and ``REDIS_URL`` are read without the prefix (INTERFACES.md). A setting that
+``NATS_URL`` and ``REDIS_URL`` are read without the prefix (docs/interfaces.md). A setting that
 is missing or malformed fails at start with a message naming the variable.
 """
 

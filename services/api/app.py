@@ -1,4 +1,4 @@
-"""The portal API: one authenticated HTTP surface over every service (DESIGN.md §9).
+"""The portal API: one authenticated HTTP surface over every service (docs/design.md §9).
 
 Every ``/v1`` route checks the bearer token, validates its input with pydantic, asks the
 owning service over NATS request/reply and answers JSON; errors are RFC 9457 problem

@@ -1,4 +1,4 @@
-"""The portal API's request and response models (field names from INTERFACES.md).
+"""The portal API's request and response models (field names from docs/interfaces.md).
 
 Requests are validated here before anything reaches a service; responses are parsed from the
 services' replies so a reply of the wrong shape becomes a 502 naming the service, never a

@@ -3,7 +3,7 @@
 Nothing here touches Redis or NATS; the ledger and the service call these functions, and the
 unit tests check them without any server.
 
-What counts (DESIGN.md §8):
+What counts (docs/design.md §8):
 - An incident whose ``fault_kind`` is ``application_error`` or whose resolution is
   ``excluded`` is not an infrastructure failure: it is recorded but never eligible.
 - ``migrated_live`` is a failure resolved by live migration.
@@ -187,7 +187,7 @@ class ContractInvalid(ValueError):
 
 
 class ContractRequest(Message):
-    """The body of ``contract_create`` (INTERFACES.md), validated field by field."""
+    """The body of ``contract_create`` (docs/interfaces.md), validated field by field."""
 
     contract_id: Name | None = None
     tenant: Token

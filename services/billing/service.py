@@ -253,7 +253,7 @@ class BillingService:
 async def ledger_durability(ctx: ServiceContext) -> str:
     """Redis' ``appendfsync`` as this service sees it; warns unless it is ``always``.
 
-    An acknowledged ledger entry must survive a crash of Redis (DESIGN.md §8). Managed Redis
+    An acknowledged ledger entry must survive a crash of Redis (docs/design.md §8). Managed Redis
     may refuse CONFIG; then the setting is reported as unknown.
     """
     try:

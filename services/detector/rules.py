@@ -2,7 +2,7 @@
 
 Nothing here does I/O. The service feeds samples and heartbeats in, gets :class:`Finding`s
 back, and turns the first finding of each episode into one ``FaultDetected``. The taxonomy
-is DESIGN.md §5; thresholds live in :class:`DetectorConfig`.
+is docs/design.md §5; thresholds live in :class:`DetectorConfig`.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ TAXONOMY: dict[FaultKind, TaxonomyRow] = {
     )
 }
 
-# NVIDIA XID catalog → kind (DESIGN.md §5).
+# NVIDIA XID catalog → kind (docs/design.md §5).
 XID_KINDS: dict[int, FaultKind] = {
     79: FaultKind.GPU_LOST,
     48: FaultKind.UNCORRECTABLE_MEMORY,

@@ -1,4 +1,4 @@
-"""The migration executor: each migration as a persisted, idempotent saga (DESIGN.md §7)."""
+"""The migration executor: each migration as a persisted, idempotent saga (docs/design.md §7)."""
 
 from .saga import Phase, SagaState
 

@@ -1,4 +1,4 @@
-"""The migration saga as a pure state machine (DESIGN.md §7).
+"""The migration saga as a pure state machine (docs/design.md §7).
 
 reserve → (spawn a cold spare → await its JOINED) → publish generation g+1 → await RESUMED
 from every rank of g+1 → confirm the lease → quarantine the old slot → fence the old member
@@ -246,7 +246,7 @@ def pool_unreachable(state: SagaState, now: datetime, timing: Timing) -> SagaSta
 
 
 def no_spare(state: SagaState, now: datetime, timing: Timing, reason: str) -> SagaState:
-    """No spare can be had: the job's policy decides (DESIGN.md §3, last paragraph)."""
+    """No spare can be had: the job's policy decides (docs/design.md §3, last paragraph)."""
     terms = state.terms
     if terms.policy == JobPolicy.WAIT:
         wait_until = state.wait_until or now + timedelta(seconds=terms.wait_timeout_s)
@@ -394,14 +394,14 @@ def confirmed(state: SagaState, now: datetime) -> SagaState:
     return _move(state, Phase.QUARANTINE, now)
 
 
-# The fault kinds whose action in DESIGN.md §5 includes quarantine: the GPU itself is bad.
+# The fault kinds whose action in docs/design.md §5 includes quarantine: the GPU itself is bad.
 QUARANTINE_KINDS = frozenset(
     {FaultKind.GPU_LOST, FaultKind.UNCORRECTABLE_MEMORY, FaultKind.MEMORY_UNREPAIRABLE}
 )
 
 
 def should_quarantine(kind: FaultKind) -> bool:
-    """Whether the failed slot leaves service after the migration (DESIGN.md §5's table).
+    """Whether the failed slot leaves service after the migration (docs/design.md §5's table).
 
     A lost or hung process, a straggler or a warning that a reset clears says nothing bad
     about the GPU (the detector escalates repeats and lemons itself, through node health);

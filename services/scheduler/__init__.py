@@ -1,4 +1,4 @@
-"""The scheduler: turns faults into incidents and migration decisions (DESIGN.md §3)."""
+"""The scheduler: turns faults into incidents and migration decisions (docs/design.md §3)."""
 
 from .rules import Decision, decide
 

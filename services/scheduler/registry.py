@@ -268,7 +268,7 @@ class JobRegistry:
         return None if raw is None else int(raw)
 
     async def view(self, job_id: str) -> dict[str, Any] | None:
-        """The job as INTERFACES.md shows it."""
+        """The job as docs/interfaces.md shows it."""
         job = await self.get(job_id)
         if job is None:
             return None

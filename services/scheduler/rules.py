@@ -1,7 +1,7 @@
 """The scheduler's business rules as pure functions: which ranks a fault hurts, what to do.
 
 Nothing here talks to NATS or Redis; the handlers in ``service.py`` call these and persist
-the outcome, so every rule is unit-tested without a server (DESIGN.md §3, step 2).
+the outcome, so every rule is unit-tested without a server (docs/design.md §3, step 2).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _RECORD_ONLY_KINDS = frozenset({FaultKind.APPLICATION_ERROR})
 
 
 def decide(kind: FaultKind, severity: Severity, action: FaultAction) -> Decision:
-    """The action for a fault that hurts a running rank (DESIGN.md §3 and §5).
+    """The action for a fault that hurts a running rank (docs/design.md §3 and §5).
 
     Fatal faults migrate now; warnings and planned drains migrate at the next step boundary;
     application errors and informational faults are only recorded. A detector's

@@ -1,4 +1,4 @@
-"""The spare pool: an inventory of spare GPUs that never hands one out twice (DESIGN.md §6)."""
+"""The spare pool: an inventory of spare GPUs that never hands one out twice (docs/design.md §6)."""
 
 from .inventory import Lease, LeaseEnd, SlotView, SpareInventory
 from .rules import ReserveRequest, Topology, pick_spare

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from torchrelay.contract import Generation, Heartbeat, Name, SpareSlot, SpareState, Token
 
-# Candidate order of a reservation, best first (DESIGN.md §6).
+# Candidate order of a reservation, best first (docs/design.md §6).
 TIERS: tuple[str, ...] = ("hot", "nvlink_domain", "rack", "zone", "any")
 
 # States a slot may be registered in; the others are reached only through transitions.

@@ -1,6 +1,6 @@
 """The in-job agent: ``torchrelay.init()`` joins the job and returns its :class:`Job`.
 
-See DESIGN.md §4 for the semantics and docs of :class:`Job` for the training-loop API.
+See docs/design.md §4 for the semantics and docs of :class:`Job` for the training-loop API.
 """
 
 from torchrelay.agent._errors import AgentError, DivergenceError

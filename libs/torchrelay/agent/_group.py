@@ -1,6 +1,6 @@
 """Process groups per generation, and waiting on them without ever blocking for good.
 
-Three pitfalls shape this module (DESIGN.md §4):
+Three pitfalls shape this module (docs/design.md §4):
 
 - Dropping the last reference to a gloo group with a collective in flight blocks in its
   destructor until the collective times out. Abandoned groups are handed to a daemon

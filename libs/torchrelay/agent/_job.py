@@ -1,4 +1,4 @@
-"""The in-job agent: ``torchrelay.init()`` and :class:`Job` (DESIGN.md §4, protocol.md).
+"""The in-job agent: ``torchrelay.init()`` and :class:`Job` (docs/design.md §4).
 
 One ``Job`` per training process. The training thread runs the user's loop; a background
 thread (``_net.NetThread``) talks to NATS and delivers new generations. Steps commit only

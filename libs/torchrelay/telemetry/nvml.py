@@ -1,6 +1,6 @@
 """NVIDIA GPUs through NVML (``nvidia-ml-py``, imported as ``pynvml``).
 
-Every signal of DESIGN.md §5 is read field by field: a field that raises
+Every signal of docs/design.md §5 is read field by field: a field that raises
 ``NVMLError_NotSupported`` is remembered and skipped afterwards, ``NVMLError_GpuIsLost`` and
 ``NVMLError_ResetRequired`` mark the sample (``gpu_lost`` / ``reset_required``) and the other
 fields are still read, any other NVML error loses only that field. Critical events come from

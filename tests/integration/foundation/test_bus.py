@@ -1,4 +1,4 @@
-"""The bus against a real nats-server (and Redis for dedupe): DESIGN.md §2's guarantees."""
+"""The bus against a real nats-server (and Redis for dedupe): docs/design.md §2's guarantees."""
 
 from __future__ import annotations
 

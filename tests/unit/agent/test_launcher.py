@@ -172,3 +172,18 @@ def test_a_training_process_env_has_nothing_of_the_stack(
     )
     env = launcher._env(Child("job-w0", Role.WORKER, "local-0", 0))
     assert not set(env) & STACK_ONLY_ENV
+
+
+def test_dash_m_runs_a_module_as_torchrun_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
+    argv = ["run", "--nproc", "4", "--spares", "2", "-m", "torchrelay.examples.train_mlp"]
+    opts = options_from_args(build_parser().parse_args([*argv, "--", "--steps", "200"]))
+    assert opts.module
+    assert opts.script == "torchrelay.examples.train_mlp"
+    assert opts.script_args == ["--steps", "200"]
+    with pytest.raises(LauncherError, match="-m no_such_module_here: no such module"):
+        options_from_args(
+            build_parser().parse_args(["run", "--nproc", "1", "-m", "no_such_module_here"])
+        )

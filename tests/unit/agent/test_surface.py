@@ -1,4 +1,4 @@
-"""The training-script API of INTERFACES.md stays importable under its promised names."""
+"""The training-script API of docs/interfaces.md stays importable under its promised names."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the API's answers must hold (INTERFACES.md), and how the dashboard shows it."""
+"""What the API's answers must hold (docs/interfaces.md), and how the dashboard shows it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every route of INTERFACES.md against real NATS responders: fields, auth, tenancy, errors."""
+"""Every route of docs/interfaces.md against real NATS responders: fields, auth, tenancy, errors."""
 
 from __future__ import annotations
 

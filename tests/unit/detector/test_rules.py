@@ -46,7 +46,7 @@ def kinds(findings: list[Any]) -> set[FaultKind]:
 
 # --------------------------------------------------------------------------- taxonomy rows
 
-# (signal fields of one sample) -> the kind DESIGN.md §5 assigns it.
+# (signal fields of one sample) -> the kind docs/design.md §5 assigns it.
 INSTANT_ROWS: list[tuple[dict[str, Any], FaultKind]] = [
     ({"xid": 79}, FaultKind.GPU_LOST),
     ({"gpu_lost": True}, FaultKind.GPU_LOST),
@@ -108,7 +108,7 @@ def test_unknown_xid_is_not_a_fault() -> None:
     assert evaluate_sample(GpuWindows(CFG), sample(xid=999), CFG) == []
 
 
-# Severity and action of every row (DESIGN.md §5 "action" column).
+# Severity and action of every row (docs/design.md §5 "action" column).
 EXPECTED = {
     FaultKind.GPU_LOST: (Severity.FATAL, FaultAction.MIGRATE_NOW, NodeHealth.QUARANTINED),
     FaultKind.UNCORRECTABLE_MEMORY: (
