@@ -1,6 +1,6 @@
 """The spare pool's business rules as pure functions: requests, locality order, floors.
 
-The reservation itself runs as one Lua script inside Redis (``inventory.py``); the functions
+The reservation itself runs as one Lua script inside Redis (``lua/reserve.lua``); the functions
 here are the reference the script is tested against, and the validation every request goes
 through before it reaches Redis.
 """
