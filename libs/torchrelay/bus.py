@@ -4,6 +4,10 @@ Every service talks to every other through this module. It owns the reliability 
 docs/design.md §2: deterministic ``Nats-Msg-Id`` on publish, explicit durable consumers, ack only
 after the handler's effects, nak with delay on transient errors, dead letters with a reason
 for poison messages, dedupe by ``event_id``, deadlines on requests, compare-and-set on KV.
+
+Its neighbours: the errors in :mod:`torchrelay.errors`, the dedupers in
+:mod:`torchrelay.dedupe`, TLS in :mod:`torchrelay.tls`, provisioning in
+:mod:`torchrelay.provisioning` (all re-exported here under their old names).
 """
 
 from __future__ import annotations
@@ -13,12 +17,10 @@ import contextlib
 import json
 import logging
 import math
-import os
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import nats
 import nats.errors
@@ -27,13 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
-    KeyValueConfig,
     PubAck,
-    StorageType,
-    StreamConfig,
 )
 from nats.js.kv import KeyValue
 from opentelemetry import trace
@@ -44,7 +40,6 @@ from torchrelay.auth import REVOKER, ROLES, role_inbox
 from torchrelay.contract import (
     CONSUMERS,
     GENERATIONS_BUCKET,
-    STREAMS,
     ConsumerSpec,
     DeadLetter,
     Event,
@@ -55,7 +50,23 @@ from torchrelay.contract import (
     Subjects,
     model_for_subject,
 )
+from torchrelay.dedupe import Deduper, MemoryDeduper, RedisDeduper
+from torchrelay.errors import (
+    BusError,
+    Conflict,
+    NoResponder,
+    NotFound,
+    PermanentError,
+    PermissionRefused,
+    RequestInvalid,
+    RpcFailed,
+    StaleRevision,
+    TransientError,
+    validation_message,
+)
 from torchrelay.observability import ServiceMetrics, context_from_headers, inject_headers, tracer
+from torchrelay.provisioning import JetStreamProvisioning
+from torchrelay.tls import TlsFiles
 
 log = logging.getLogger("torchrelay.bus")
 
@@ -78,117 +89,6 @@ async def cancel_until_done(task: asyncio.Future[Any]) -> None:
         task.result()
 
 
-class BusError(RuntimeError):
-    """A bus operation failed; the message says which and what to do."""
-
-
-class PermissionRefused(BusError):
-    """The NATS server refused an operation: this connection's user may not do it."""
-
-
-class NoResponder(BusError):
-    """A request got no answer within its deadline."""
-
-
-class RpcFailed(BusError):
-    """The service answered a request with an error."""
-
-    def __init__(self, subject: str, error: RpcError) -> None:
-        where = f" (field {error.field})" if error.field else ""
-        super().__init__(f"{subject}: {error.code}: {error.message}{where}")
-        self.subject = subject
-        self.error = error
-
-
-class StaleRevision(BusError):
-    """A compare-and-set KV update was refused: someone wrote the key since we read it."""
-
-
-class TransientError(Exception):
-    """Raised by a handler: retry later (the message is nak'd with a delay)."""
-
-    def __init__(self, message: str, delay_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.delay_s = delay_s
-
-
-class PermanentError(Exception):
-    """Raised by a handler: the message can never succeed; it goes to the dead-letter subject."""
-
-
-class RequestInvalid(Exception):
-    """Raised by an RPC handler: the request is invalid (names the field)."""
-
-    def __init__(self, message: str, field: str | None = None, code: str = "invalid") -> None:
-        super().__init__(message)
-        self.field = field
-        self.code = code
-
-
-class NotFound(RequestInvalid):
-    """Raised by an RPC handler: the object does not exist (or is not visible)."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message, field, code="not_found")
-
-
-class Conflict(RequestInvalid):
-    """Raised by an RPC handler: the request conflicts with the current state."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message, field, code="conflict")
-
-
-def validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    """A one-line message for a validation error and the first offending field."""
-    parts = []
-    first: str | None = None
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"])
-        first = first or (loc or None)
-        parts.append(f"{loc or 'body'}: {err['msg']}")
-    return "; ".join(parts), first
-
-
-class Deduper(Protocol):
-    """Remembers the ``event_id``s a consumer has fully processed."""
-
-    async def seen(self, event_id: str) -> bool: ...
-
-    async def mark(self, event_id: str) -> None: ...
-
-
-class RedisDeduper:
-    """Processed event ids in Redis under the service's own prefix, kept for ``ttl_s``."""
-
-    def __init__(self, redis: Any, prefix: str, ttl_s: int = 7 * 24 * 3600) -> None:
-        self._redis = redis
-        self._prefix = prefix
-        self._ttl = ttl_s
-
-    async def seen(self, event_id: str) -> bool:
-        return bool(await self._redis.exists(f"{self._prefix}:seen:{event_id}"))
-
-    async def mark(self, event_id: str) -> None:
-        await self._redis.set(f"{self._prefix}:seen:{event_id}", b"1", ex=self._ttl)
-
-
-class MemoryDeduper:
-    """In-process dedupe, for processes without Redis (node agents, tools)."""
-
-    def __init__(self, capacity: int = 100_000) -> None:
-        self._seen: dict[str, None] = {}
-        self._capacity = capacity
-
-    async def seen(self, event_id: str) -> bool:
-        return event_id in self._seen
-
-    async def mark(self, event_id: str) -> None:
-        self._seen[event_id] = None
-        if len(self._seen) > self._capacity:
-            self._seen.pop(next(iter(self._seen)))
-
-
 @dataclass(frozen=True)
 class Delivery:
     """Metadata of one delivery of a stream message to a handler."""
@@ -205,35 +105,6 @@ NO_RESPONDER_GRACE_S = 1.0  # how long a request retries while nobody serves its
 AUTH_GRACE_S = 3.0  # how long a connect goes on while the server refuses the credential
 
 
-@dataclass(frozen=True)
-class TlsFiles:
-    """TLS material for the NATS connection: a CA bundle and an optional client cert/key."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.ca or self.cert)
-
-    @classmethod
-    def from_env(cls) -> TlsFiles:
-        """``TORCHRELAY_NATS_TLS_CA`` / ``_CERT`` / ``_KEY``."""
-        return cls(
-            os.environ.get("TORCHRELAY_NATS_TLS_CA") or None,
-            os.environ.get("TORCHRELAY_NATS_TLS_CERT") or None,
-            os.environ.get("TORCHRELAY_NATS_TLS_KEY") or None,
-        )
-
-    def context(self) -> ssl.SSLContext:
-        """A client SSL context verifying the server against ``ca``."""
-        ctx = ssl.create_default_context(cafile=self.ca)
-        if self.cert:
-            ctx.load_cert_chain(self.cert, self.key)
-        return ctx
-
-
 EventHandler = Callable[[Event, Delivery], Awaitable[None]]
 RpcHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 
@@ -242,7 +113,7 @@ def _headers(msg: Msg) -> dict[str, str]:
     return dict(msg.headers or {})
 
 
-class Bus:
+class Bus(JetStreamProvisioning):
     """A connection to NATS for one process (``service`` names it in logs and dead letters)."""
 
     def __init__(self, nc: NatsClient, service: str, metrics: ServiceMetrics | None = None) -> None:
@@ -446,115 +317,6 @@ class Bus:
                 await asyncio.wait_for(self.nc.flush(), 2.0)
             with contextlib.suppress(Exception):
                 await self.nc.close()
-
-    # ----------------------------------------------------------------- provisioning
-
-    async def provision(self, replicas: int = 1) -> None:
-        """Create or update every stream, the generations bucket and every durable consumer
-        (idempotent): ``torchrelay up`` and ``torchrelay provision`` do it as ``admin``, the
-        only identity that may administer JetStream when authentication is on."""
-        await self.provision_streams(replicas)
-        for spec in CONSUMERS.values():
-            await self.provision_consumer(spec)
-
-    async def ensure_provisioned(self, replicas: int = 1) -> None:
-        """Check that the streams and the generations bucket exist, creating them only where
-        they are missing (an open server; a restricted role cannot and is told how to).
-
-        Raises:
-            BusError: something is missing and this connection may not create it.
-        """
-        missing = []
-        for spec in STREAMS:
-            try:
-                await self.js.stream_info(spec.name)
-            except nats.js.errors.NotFoundError:
-                missing.append(spec.name)
-            except (nats.errors.TimeoutError, TimeoutError):
-                # No permission to look (or no JetStream): it is checked where it is used.
-                continue
-        if not missing:
-            await self._bind_generations()
-            return
-        try:
-            await self.provision_streams(replicas)
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-            raise BusError(_not_provisioned(", ".join(missing), self.user, exc)) from exc
-
-    async def _bind_generations(self) -> None:
-        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-            await self.generations()
-
-    async def ensure_consumer(self, spec: ConsumerSpec) -> None:
-        """The durable consumer of ``spec``: found, or created where this connection may.
-
-        Raises:
-            BusError: it is missing and this connection may not create it.
-        """
-        try:
-            await self.js.consumer_info(spec.stream, spec.durable)
-            return
-        except nats.js.errors.NotFoundError:
-            pass
-        except (nats.errors.TimeoutError, TimeoutError) as exc:
-            raise BusError(
-                _not_provisioned(f"consumer {spec.durable} of {spec.stream}", self.user, exc)
-            ) from exc
-        try:
-            await self.provision_consumer(spec)
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-            raise BusError(
-                _not_provisioned(f"consumer {spec.durable} of {spec.stream}", self.user, exc)
-            ) from exc
-
-    async def provision_streams(self, replicas: int = 1) -> None:
-        """Create or update the streams and the generations KV bucket (idempotent)."""
-        for spec in STREAMS:
-            cfg = StreamConfig(
-                name=spec.name,
-                subjects=list(spec.subjects),
-                storage=StorageType.FILE,
-                num_replicas=replicas,
-                duplicate_window=spec.duplicate_window_s,
-                max_age=spec.max_age_s,
-            )
-            try:
-                await self.js.add_stream(cfg)
-            except nats.js.errors.BadRequestError:
-                await self.js.update_stream(cfg)
-        self._replicas = replicas
-        await self.generations()
-
-    async def generations(self) -> KeyValue:
-        """The job-generations KV bucket (created on first use)."""
-        if self._kv is None:
-            try:
-                self._kv = await self.js.key_value(GENERATIONS_BUCKET)
-            except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-                self._kv = await self.js.create_key_value(
-                    KeyValueConfig(
-                        bucket=GENERATIONS_BUCKET,
-                        history=16,
-                        storage=StorageType.FILE,
-                        replicas=self._replicas,
-                        direct=True,
-                    )
-                )
-        return self._kv
-
-    async def provision_consumer(self, spec: ConsumerSpec) -> None:
-        """Create the durable consumer of ``spec`` (explicit ack, bounded redelivery)."""
-        cfg = ConsumerConfig(
-            durable_name=spec.durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=spec.ack_wait_s,
-            max_deliver=spec.max_deliver,
-            backoff=list(spec.backoff_s),
-            filter_subjects=list(spec.filter_subjects),
-            max_ack_pending=spec.max_ack_pending,
-        )
-        await self.js.add_consumer(spec.stream, cfg)
 
     # ----------------------------------------------------------------- publishing
 
@@ -987,14 +749,6 @@ class Bus:
                 f"generation of job {generation.job_id} changed since revision "
                 f"{expected_revision}: {exc}"
             ) from exc
-
-
-def _not_provisioned(what: str, user: str | None, exc: BaseException) -> str:
-    return (
-        f"JetStream {what} is missing (or hidden from NATS user {user or '(anonymous)'}, "
-        f"which may not create it: {exc!r}); provision the stack first (`torchrelay up` does, or "
-        "`torchrelay provision` with the admin credential)"
-    )
 
 
 def _jsonable(value: Any) -> Any:
