@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -111,6 +112,33 @@ def run_as_ids(user: str) -> tuple[int, int]:
     if entry.pw_uid == 0:
         raise LauncherError(f"--run-as {user}: the training code must not run as root")
     return entry.pw_uid, entry.pw_gid
+
+
+def prepare_run_dir(run_dir: Path, run_as: tuple[int, int] | None) -> None:
+    """Create the job's run dir 0700; under ``--run-as`` owned by the training user.
+
+    Root then works in a shared temporary directory, so nothing there may be a link or
+    belong to someone else (a planted symlink would have root chown its target).
+
+    Raises:
+        LauncherError: the run dir or its parent is a link or not root's.
+    """
+    if run_as is not None:
+        base = run_dir.parent
+        base.mkdir(mode=0o711, parents=True, exist_ok=True)
+        st = os.lstat(base)
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != 0:
+            raise LauncherError(f"{base} must be a directory of root's, not a link")
+        if run_dir.is_symlink():
+            raise LauncherError(f"{run_dir} is a symbolic link; remove it")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    st = os.lstat(run_dir)
+    if run_as is not None and st.st_uid not in (0, run_as[0]):
+        raise LauncherError(f"{run_dir} belongs to uid {st.st_uid}; remove it")
+    os.chmod(run_dir, 0o700)
+    if run_as is not None:
+        # The training processes own their run dir (exit records) and nothing else.
+        os.chown(run_dir, *run_as, follow_symlinks=False)
 
 
 def with_process_defaults(env: dict[str, str]) -> dict[str, str]:
@@ -799,11 +827,11 @@ class Launcher:
     async def run(self) -> int:
         """Launch, supervise and end the job; returns the exit code for the shell."""
         o = self.opts
-        o.run_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(o.run_dir, 0o700)
-        if o.run_as is not None:
-            # The training processes own their run dir (exit records) and nothing else.
-            os.chown(o.run_dir, *o.run_as)
+        try:
+            prepare_run_dir(o.run_dir, o.run_as)
+        except LauncherError as exc:
+            print(f"torchrelay run: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         try:
             self._bus = await Bus.connect(
                 o.nats_url, f"launcher-{o.job_id}", credentials=o.credentials, timeout=10.0

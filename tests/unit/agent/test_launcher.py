@@ -23,6 +23,7 @@ from torchrelay.launcher import (
     cmd_run,
     describe_exit,
     options_from_args,
+    prepare_run_dir,
     resolve_nats_url,
     slot_of,
     with_process_defaults,
@@ -187,3 +188,26 @@ def test_dash_m_runs_a_module_as_torchrun_does(
         options_from_args(
             build_parser().parse_args(["run", "--nproc", "1", "-m", "no_such_module_here"])
         )
+
+
+def test_the_run_dir_under_run_as_refuses_planted_links(tmp_path: Path) -> None:
+    plain = tmp_path / "plain" / "job"
+    prepare_run_dir(plain, None)
+    assert plain.stat().st_mode & 0o777 == 0o700
+    if os.geteuid() != 0:
+        pytest.skip("--run-as runs as root only")
+    nobody = (65534, 65534)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "job").symlink_to(elsewhere)
+    with pytest.raises(LauncherError, match="is a symbolic link"):
+        prepare_run_dir(runs / "job", nobody)
+    linked = tmp_path / "linked-runs"
+    linked.symlink_to(elsewhere)
+    with pytest.raises(LauncherError, match="must be a directory of root's"):
+        prepare_run_dir(linked / "job", nobody)
+    assert elsewhere.stat().st_uid == 0  # nothing was chowned through a link
+    prepare_run_dir(runs / "job2", nobody)
+    assert (runs / "job2").stat().st_uid == 65534
