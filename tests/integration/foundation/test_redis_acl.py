@@ -33,7 +33,6 @@ from services.scheduler.registry import JobRegistry
 from services.spare_pool.inventory import SpareInventory
 from services.spare_pool.rules import ReserveRequest
 from torchrelay.auth import SERVICE_ROLES, AuthBundle, JobCredentialStore, ensure_bundle
-from torchrelay.auth import redis_commands as allowed_commands
 from torchrelay.bus import RedisDeduper
 from torchrelay.contract import (
     AgentReport,
@@ -55,6 +54,7 @@ from torchrelay.contract import (
     SpareState,
     make_event_id,
 )
+from torchrelay.redis_acl import redis_commands as allowed_commands
 from torchrelay.runtime import ServerProcess, redis_server
 
 # redis-py's connection handshake: refused, and the refusal is ignored by redis-py.
