@@ -46,9 +46,48 @@ SHAPES: dict[str, dict[str, str]] = {
         "CF_OPTIMIZERS": "two",
         "CF_FROZEN": "1",
     },
+    # An LLM loop: 3 micro-batches from a DataLoader with workers on job.sampler, autocast
+    # bf16, GradScaler, the global gradient clipped between job.reduce_gradients and the
+    # optimizers' steps, two optimizers; the overlap's buckets small enough to be several.
+    "llm": {
+        "CF_BUILD": "after",
+        "CF_THREADS": "1",
+        "CF_OPTIMIZERS": "two",
+        "CF_LOOP": "llm",
+        "CF_ACCUM": "3",
+        "CF_DATA": "loader",
+        "TORCHRELAY_BUCKET_MB": "0.01",
+    },
+    # The same loop over a stream: a StatefulDataLoader whose position moves with the rank.
+    "stream": {
+        "CF_BUILD": "after",
+        "CF_THREADS": "1",
+        "CF_LOOP": "llm",
+        "CF_ACCUM": "2",
+        "CF_DATA": "stream",
+        "TORCHRELAY_BUCKET_MB": "0.01",
+    },
+    # The LLM loop without the overlap: one flat all-reduce after backward.
+    "flat": {
+        "CF_BUILD": "before",
+        "CF_THREADS": "1",
+        "CF_LOOP": "llm",
+        "CF_ACCUM": "2",
+        "TORCHRELAY_OVERLAP": "0",
+    },
+    # A torch.compile'd model (inductor) in the LLM loop.
+    "compiled": {
+        "CF_BUILD": "after",
+        "CF_THREADS": "1",
+        "CF_LOOP": "llm",
+        "CF_COMPILE": "inductor",
+        "TORCHRELAY_BUCKET_MB": "0.01",
+    },
 }
+LLM_SHAPES = {name for name, env in SHAPES.items() if env.get("CF_LOOP") == "llm"}
 
-SCRIPT_POINTS = ("forward", "backward", "optimizer", "between")
+SCRIPT_POINTS = ("forward", "backward", "late_backward", "optimizer", "between")
+LLM_POINTS = ("clip",)  # after the all-reduce, before the optimizers: the llm loop's
 AGENT_POINTS = ("allreduce",)
 TRANSFER_POINTS = ("send_state", "recv_state")
 FAULT_STEP = 4
@@ -85,13 +124,35 @@ def full() -> list[Cell]:
     issue 21's fault-free run under CPU hogs, 20 times."""
     cells = [Cell("issue21", "none", "-", "hogs", i) for i in range(FAULT_FREE_REPEATS)]
     for shape, load in itertools.product(SHAPES, ("idle", "hogs")):
-        for point, sig in itertools.product(SCRIPT_POINTS + AGENT_POINTS, ("KILL", "STOP")):
+        points = SCRIPT_POINTS + AGENT_POINTS + (LLM_POINTS if shape in LLM_SHAPES else ())
+        for point, sig in itertools.product(points, ("KILL", "STOP")):
             cells.append(Cell(shape, point, sig, load))
         for point in TRANSFER_POINTS:
             cells.append(Cell(shape, point, "KILL", load))
         if SHAPES[shape].get("CF_BUILD") == "before":  # a warm-up needs the model first
             cells.append(Cell(shape, "warm_up", "KILL", load))
     return cells
+
+
+def select(spec: str) -> list[Cell]:
+    """The cells ``TORCHRELAY_CONFORMANCE`` names: "all", "shape:A,B" (every cell of those
+    shapes), "kill:A,B" (their SIGKILL cells on an idle machine), else :data:`REDUCED`."""
+    kind, _, names = spec.partition(":")
+    shapes = set(names.split(",")) if names else set(SHAPES)
+    unknown = shapes - set(SHAPES)
+    if unknown:
+        raise ValueError(f"TORCHRELAY_CONFORMANCE={spec!r}: no shape {sorted(unknown)}")
+    if kind == "all":
+        return full()
+    if kind == "shape":
+        return [c for c in full() if c.shape in shapes]
+    if kind == "kill":
+        return [
+            c
+            for c in full()
+            if c.shape in shapes and c.signal == "KILL" and c.load == "idle" and c.repeat == 0
+        ]
+    return REDUCED
 
 
 RESULTS: list[dict[str, Any]] = []

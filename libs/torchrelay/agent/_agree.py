@@ -76,6 +76,17 @@ class Collectives:
         self.run(self.pg.allgather([outs], [mine]))
         return [bytes(t.cpu().numpy().tobytes()) for t in outs]
 
+    def allgather_sized(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (of any lengths), in rank order: the lengths first."""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(size) for _ in range(self.pg.size())]
+        self.run(self.pg.allgather([sizes], [size]))
+        lengths = [int(t.item()) for t in sizes]
+        if not max(lengths):
+            return [b""] * len(lengths)
+        padded = data + bytes(max(lengths) - len(data))
+        return [d[:n] for d, n in zip(self.allgather_bytes(padded), lengths, strict=True)]
+
     def broadcast_json(self, root: int, value: Any) -> Any:
         """``value`` of rank ``root`` on every rank (JSON-encodable values)."""
         opts = dist.BroadcastOptions()

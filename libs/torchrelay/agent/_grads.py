@@ -8,11 +8,11 @@ import torch
 def flatten_grads(
     params: list[torch.nn.Parameter],
     device: torch.device,
-    flag: float,
+    flag: float | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One buffer of every gradient (zeros where a parameter has none), one count per
-    parameter of the ranks that have its gradient, and the flag last.
+    parameter of the ranks that have its gradient, and the flag last (if not None).
 
     After the all-reduce a parameter that no rank has a gradient for keeps none (like a
     single process, the optimizer then leaves it alone); one that some ranks have gets the
@@ -24,7 +24,7 @@ def flatten_grads(
     dtypes = {p.dtype for p in params}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     numel = sum(p.numel() for p in params)
-    total = numel + len(params) + 1
+    total = numel + len(params) + (flag is not None)
     if out is None or out.numel() != total or out.dtype != dtype or out.device != device:
         out = torch.empty(total, dtype=dtype, device=device)
     offset = 0
@@ -38,7 +38,9 @@ def flatten_grads(
         offset += n
     # The counts and the flag in one copy: a write per parameter is one op each, on the
     # step's path for every parameter tensor of the model.
-    tail = [0.0 if p.grad is None else 1.0 for p in params] + [flag]
+    tail = [0.0 if p.grad is None else 1.0 for p in params]
+    if flag is not None:
+        tail.append(flag)
     out[numel:].copy_(torch.tensor(tail, dtype=dtype))
     return out
 

@@ -39,9 +39,16 @@ from torchrelay.agent._agree import (
 )
 from torchrelay.agent._chaos import ENV as CHAOS_ENV
 from torchrelay.agent._chaos import ChaosPoint
-from torchrelay.agent._data import StepSampler, dataset_length, make_batch, seed_step
+from torchrelay.agent._data import StepBatchSampler, seed_step
 from torchrelay.agent._errors import AgentError, DivergenceError
-from torchrelay.agent._grads import flatten_grads, unflatten_grads
+from torchrelay.agent._feed import (
+    POSITIONS,
+    DataPositions,
+    Feed,
+    LoaderFeed,
+    MapFeed,
+    StatefulFeed,
+)
 from torchrelay.agent._group import (
     GRAVEYARD,
     Abandoned,
@@ -52,6 +59,7 @@ from torchrelay.agent._group import (
     wait_work,
 )
 from torchrelay.agent._net import NetThread
+from torchrelay.agent._reducer import DEFAULT_BUCKET_MB, Reducer
 from torchrelay.agent._state import (
     OutsideState,
     ReceiveTargets,
@@ -131,8 +139,11 @@ class Job:
         collective_timeout_s: float | None = None,
         connect_timeout_s: float = 30.0,
         verify_every: int | None = None,
+        overlap: bool | None = None,
+        bucket_mb: float | None = None,
     ) -> None:
         self.verify_every = _verify_every(verify_every)
+        bucket_bytes = _bucket_bytes(overlap, bucket_mb)
         # First: from here on, the launcher learns of this process's death as it begins.
         deathlatch.hold_from_env()
         self.job_id = _env("TORCHRELAY_JOB_ID")
@@ -152,6 +163,7 @@ class Job:
         )
         host = os.environ.get("TORCHRELAY_ADVERTISE_HOST", "127.0.0.1")
         self.backend = Backend.detect(self.gpu, timeout_s, host)
+        self.overlap = bucket_bytes is not None
 
         self._lock = threading.Lock()
         self._wakeup = Wakeup()
@@ -179,7 +191,12 @@ class Job:
         # stepped whatever job.step() returned): put back before the step is yielded again.
         self._rollback: OutsideState | None = None
         self._pending: _PendingState | None = None  # state of the last sync still arriving
-        self._flat: torch.Tensor | None = None  # the all-reduce buffer, kept between steps
+        self._reducer = Reducer(self.backend.device, bucket_bytes)
+        self._feed: Feed | None = None
+        self._positions: list[bytes] | None = None  # the step's exchanged loader positions
+        # A committed step whose optimizer step the loop still runs (reduce_gradients):
+        # the divergence guard and a boundary switch wait for it.
+        self._after: tuple[Generation, int, bool] | None = None
         self._last_step_hb = 0.0
         self._step_time: float | None = None
         self._step_started: float | None = None
@@ -555,19 +572,38 @@ class Job:
                 raise TypeError(f"job.track({name}=...) needs state_dict() and load_state_dict()")
             self._tracked[name] = obj
 
+    def sampler(
+        self, dataset: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True
+    ) -> StepBatchSampler:
+        """A ``batch_sampler`` for ``DataLoader(dataset, batch_sampler=...)``: give the
+        loader to :meth:`batches`, which moves the sampler to each step, so the loader's
+        workers, ``pin_memory`` and prefetching serve the batch of (step, rank) whoever
+        holds the rank."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive whole number, got {batch_size!r}")
+        return StepBatchSampler(dataset, batch_size, seed=seed, shuffle=shuffle)
+
     def batches(
         self,
         dataset: Any,
-        batch_size: int,
-        max_steps: int,
+        batch_size: int | None = None,
+        max_steps: int | None = None,
         *,
         seed: int = 0,
         shuffle: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        accumulate: int = 1,
     ) -> Iterator[tuple[int, Any]]:
         """Yield ``(step, batch)`` for this rank until ``max_steps`` steps are committed.
 
-        The batch of (step, rank) and the step's RNG seeds are pure functions of ``seed``,
+        ``dataset`` is a map-style dataset (batched here, ``batch_size`` per rank), a
+        ``DataLoader`` built on :meth:`sampler`, or a loader with ``state_dict()`` such as
+        torchdata's ``StatefulDataLoader`` (iterable and streaming datasets; its position
+        moves with the rank). With ``accumulate=k`` each step yields an iterator of its
+        ``k`` micro-batches instead of one batch: run forward and backward on each, then
+        reduce once.
+
+        The batch of (step, rank) and the step's RNG seeds are pure functions of the seed,
         the step and the rank, so whoever holds the rank sees the same data and dropout. A
         step that did not commit (a peer failed) is yielded again.
         """
@@ -576,31 +612,115 @@ class Job:
                 "torchrelay: nothing is tracked; call job.track(model=..., "
                 "optimizer=...) or a spare cannot receive the state"
             )
-        length = dataset_length(dataset)
-        sampler: StepSampler | None = None
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
+            raise ValueError(f"job.batches needs max_steps, a whole number >= 0, got {max_steps!r}")
+        self._feed = feed = self._make_feed(
+            dataset, batch_size, seed, shuffle, collate_fn, accumulate
+        )
         while True:
+            self._end_step()
             if self._regroup or self._pg is None:
                 self._enter_generation()
             gen = self._gen
             assert gen is not None
             assert self._rank is not None
-            if sampler is None or sampler.world_size != gen.world_size:
-                sampler = StepSampler(
-                    length, batch_size, gen.world_size, seed=seed, shuffle=shuffle
-                )
             step = self._committed + 1
             if step >= max_steps:
                 if self._agree_done(max_steps):
                     return
                 continue
             self._undo_outside_changes()
-            seed_step(seed, step, self._rank)
-            batch = make_batch(dataset, sampler.indices(step, self._rank), collate_fn)
+            feed.prepare(step, max_steps, self._rank, gen.world_size)
+            seed_step(feed.seed, step, self._rank)
+            micro = feed.draw(step, self._rank)
+            if feed.drawn is not None and not self._exchange_positions(gen, feed.drawn):
+                continue
             self._in_step, self._step_called = step, False
             self._step_started = time.perf_counter()
-            yield step, batch
+            if accumulate == 1:
+                batch = next(micro)
+                self._arm_overlap(gen)
+                yield step, batch
+            else:
+                yield step, self._micro_batches(micro, accumulate, gen)
             if not self._step_called:
-                raise AgentError("call job.step(optimizer) once for every batch of job.batches()")
+                raise AgentError(
+                    "call job.step(optimizer) or job.reduce_gradients(optimizer) once for "
+                    "every step of job.batches()"
+                )
+
+    def _make_feed(
+        self,
+        data: Any,
+        batch_size: int | None,
+        seed: int,
+        shuffle: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        accumulate: int,
+    ) -> Feed:
+        """The feed for what the loop passed to :meth:`batches` (see ``_feed``)."""
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+        sampler = getattr(data, "batch_sampler", None)
+        if isinstance(sampler, StepBatchSampler):
+            if batch_size is not None:
+                raise ValueError(
+                    "job.batches(loader, ...): the loader's job.sampler() sets the batch "
+                    "size; leave batch_size out"
+                )
+            return LoaderFeed(data, sampler, accumulate)
+        if callable(getattr(data, "state_dict", None)) and callable(
+            getattr(data, "load_state_dict", None)
+        ):
+            positions = DataPositions()
+            self._tracked[POSITIONS] = positions
+            return StatefulFeed(data, positions, seed, accumulate)
+        if isinstance(data, torch.utils.data.DataLoader):
+            raise AgentError(
+                "job.batches cannot know which batch of a plain DataLoader belongs to a step: "
+                "build it with batch_sampler=job.sampler(dataset, batch_size), or use "
+                "torchdata's StatefulDataLoader, whose position moves with the rank"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(
+                f"job.batches(dataset, batch_size, max_steps) needs a positive batch_size, "
+                f"got {batch_size!r}"
+            )
+        return MapFeed(
+            data,
+            batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            collate_fn=collate_fn,
+            accumulate=accumulate,
+        )
+
+    def _micro_batches(self, micro: Iterator[Any], count: int, gen: Generation) -> Iterator[Any]:
+        """The step's micro-batches; the last one's backward launches the overlap buckets."""
+        for index, batch in enumerate(micro):
+            if index == count - 1:
+                self._arm_overlap(gen)
+            yield batch
+
+    def _arm_overlap(self, gen: Generation) -> None:
+        stale = self._stale(gen)
+        pg = self._pg
+        self._reducer.arm(pg, lambda: self._pending is None and not stale())
+
+    def _exchange_positions(self, gen: Generation, mine: bytes) -> bool:
+        """Every rank's loader position after the step's batches (stateful feeds);
+        False when the group failed or was left (the step is drawn again)."""
+        assert self._rank is not None
+        try:
+            self._settle_state()
+            coll = self._collectives(self._pg, self._rank, self._stale(gen))
+            self._positions = coll.allgather_sized(mine)
+        except Abandoned:
+            return False
+        except CollectiveError as exc:
+            self._collective_failed(gen, self.rank, exc)
+            return False
+        return True
 
     def _agree_done(self, max_steps: int) -> bool:
         """Every live rank has committed the last step: the loop may end everywhere."""
@@ -623,14 +743,37 @@ class Job:
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """All-reduce the gradients over the live group and step the optimizers.
 
-        Returns True when the step committed. If a peer fails during the all-reduce, the
-        step waits for the new generation and, when this rank keeps its rank in a group of
-        the same size, repeats only the all-reduce with the gradients it already has (the
-        rank's new holder computes the lost rank's share): the step still commits, nothing
-        is recomputed here. Otherwise (the group shrank, the rank changed, or this rank
-        received newer state) it returns False: the gradients are dropped, nothing was
-        stepped, and ``job.batches`` yields the step again in the new generation.
+        ``job.reduce_gradients(*optimizers)`` followed by each ``optimizer.step()``; use
+        those two where something must run in between (clipping, a GradScaler).
         """
+        if not self.reduce_gradients(*optimizers):
+            return False
+        for opt in optimizers:
+            opt.step()
+        self._end_step()
+        return True
+
+    def reduce_gradients(self, *optimizers: torch.optim.Optimizer) -> bool:
+        """All-reduce the optimizers' gradients over the live group: True when the step
+        committed, and every rank now holds the same mean gradients.
+
+        Then, as under DDP, the loop steps the optimizers itself, after whatever needs the
+        global gradient: ``clip_grad_norm_``, ``GradScaler.unscale_/step/update``, a
+        gradient-norm log. On every rank the same bits go in, so the same bits come out.
+
+        If a peer fails during the all-reduce, the step waits for the new generation and,
+        when this rank keeps its rank in a group of the same size, repeats only the
+        all-reduce with the gradients it already has (the rank's new holder computes the
+        lost rank's share): the step still commits, nothing is recomputed here. Otherwise
+        (the group shrank, the rank changed, or this rank received newer state) it returns
+        False: the gradients are dropped, and ``job.batches`` yields the step again in the
+        new generation; the loop must then not step its optimizers.
+        """
+        if self._feed is not None and self._step_called and self._in_step is None:
+            raise AgentError(
+                "job.reduce_gradients() (or job.step()) was already called for this step"
+            )
+        self._end_step()
         self._step_called = True
         if self._regroup or self._pg is None:
             self._enter_generation()
@@ -657,46 +800,76 @@ class Job:
                 return False
         if self._resume is not None:
             self._mark("allreduce", step=step)
+        self._reducer.set_params(params)
+        repeat = False
         while True:
             gen, pg = self._gen, self._pg
             assert gen is not None
-            with self._lock:
-                switch_wanted = (
-                    self._latest is not None and self._latest.generation > gen.generation
-                )
-            # The all-reduce runs on a flat copy: the parameters' own gradients stay intact
-            # whatever a failed collective leaves in ``buf``.
-            buf = flatten_grads(
-                params, self.backend.device, 1.0 if switch_wanted else 0.0, self._flat
-            )
-            self._flat = buf
             try:
-                work = pg.allreduce([buf], dist.AllreduceOptions())
-                self._chaos.hit("allreduce", step)
-                self._run(work, pg, self._stale(gen))
+                if repeat and self._feed is not None and self._feed.drawn is not None:
+                    # The rank's new holder exchanges the positions before its all-reduce,
+                    # as every rank did before this one's first try.
+                    coll = self._collectives(pg, self.rank, self._stale(gen))
+                    self._positions = coll.allgather_sized(self._feed.drawn)
+                self._all_reduce(gen, pg, step)
                 break
             except Abandoned:
-                self._flat = None  # the abandoned all-reduce may still write into it
+                pass
             except CollectiveError as exc:
-                self._flat = None
                 self._collective_failed(gen, self.rank, exc)
             if not self._keeps_gradients(gen):
                 self._discard(params)
                 return False
+            repeat = True
         if self._exiting:  # fenced meanwhile: never commit after that
             self._fence("a newer generation does not name this member")
-        switch = bool(buf[-1].item() > 0)
         if self._resume is not None:
             self._mark("allreduced", step=step)
-        unflatten_grads(buf, params, gen.world_size)
-        for opt in optimizers:
-            opt.step()
+        switch = self._reducer.finish(gen.world_size)
+        if self._feed is not None and self._feed.drawn is not None:
+            self._feed.committed(step, self._positions)
         self._commit(step, gen)
-        if self.verify_every and (step + 1) % self.verify_every == 0:
+        self._after = (gen, step, switch)
+        return True
+
+    def _all_reduce(self, gen: Generation, pg: Any, step: int) -> None:
+        """Launch what the backward did not and wait for every bucket of the step.
+
+        Raises:
+            Abandoned, CollectiveError: the group was left or failed (it is given up).
+        """
+        with self._lock:
+            switch_wanted = self._latest is not None and self._latest.generation > gen.generation
+        works: list[Any] = []
+        try:
+            try:
+                works = self._reducer.launch(pg, 1.0 if switch_wanted else 0.0)
+            except AgentError:
+                raise
+            except RuntimeError as exc:  # the group refused a collective: it is broken
+                raise CollectiveError(f"all-reduce could not start: {exc}") from exc
+            self._chaos.hit("allreduce", step)
+            for work in works:
+                self._run(work, pg, self._stale(gen))
+        except (Abandoned, CollectiveError):
+            # The other buckets' collectives may still write into their buffers.
+            GRAVEYARD.keep(*works, *self._reducer.forget(), in_flight=bool(works))
+            if pg is self._pg:
+                self.backend.abandon(pg)
+                self._pg = None
+            self._regroup = True
+            raise
+
+    def _end_step(self) -> None:
+        """After the loop's optimizer step: the divergence guard, a boundary switch."""
+        after, self._after = self._after, None
+        if after is None:
+            return
+        gen, step, switch = after
+        if self.verify_every and (step + 1) % self.verify_every == 0 and self._pg is not None:
             self._verify(gen, self._pg)
         if switch:
             self._switch_at_boundary(gen)
-        return True
 
     def _keeps_gradients(self, old: Generation) -> bool:
         """Enter the next generation from inside a step; True if this step's gradients hold.
@@ -723,6 +896,7 @@ class Job:
         )
 
     def _discard(self, params: list[torch.nn.Parameter]) -> None:
+        GRAVEYARD.keep(*self._reducer.forget())
         self._lost_steps = 1
         for p in params:
             p.grad = None
@@ -821,6 +995,7 @@ class Job:
         if self._finished:
             return
         self._finished = True
+        self._after = None
         # Tells the launcher this member completed training, whatever its exit code.
         self._write_exit_record({"kind": "finished", "step": self._committed})
         self._report(
@@ -1039,6 +1214,32 @@ def _verify_every(given: int | None) -> int:
     return given
 
 
+def _bucket_bytes(overlap: bool | None, bucket_mb: float | None) -> int | None:
+    """The overlap's bucket size in bytes, or None for one flat all-reduce after backward.
+
+    ``overlap`` defaults to ``TORCHRELAY_OVERLAP`` (on unless "0"), ``bucket_mb`` to
+    ``TORCHRELAY_BUCKET_MB`` (25, as DDP's ``bucket_cap_mb``).
+    """
+    if overlap is None:
+        raw = os.environ.get("TORCHRELAY_OVERLAP", "1").strip().lower()
+        if raw not in ("0", "1", "true", "false", "on", "off", ""):
+            raise AgentError(
+                f"TORCHRELAY_OVERLAP={raw!r}: set it to 1 (buckets during backward) or 0"
+            )
+        overlap = raw not in ("0", "false", "off")
+    if not overlap:
+        return None
+    if bucket_mb is None:
+        raw = os.environ.get("TORCHRELAY_BUCKET_MB", "").strip()
+        try:
+            bucket_mb = float(raw) if raw else DEFAULT_BUCKET_MB
+        except ValueError:
+            raise AgentError(f"TORCHRELAY_BUCKET_MB={raw!r} is not a number of megabytes") from None
+    if isinstance(bucket_mb, bool) or not bucket_mb > 0:
+        raise AgentError(f"bucket_mb={bucket_mb!r}: give a positive number of megabytes")
+    return max(1, int(bucket_mb * 1024 * 1024))
+
+
 def _hard_exit(code: int) -> NoReturn:
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -1067,6 +1268,10 @@ def init(warm_up: Callable[[], object] | None = None, **kwargs: Any) -> Job:
         collective_timeout_s: how long a collective may hang before it counts as failed
             (default ``TORCHRELAY_COLLECTIVE_TIMEOUT_S`` or 60).
         connect_timeout_s: how long to retry the first NATS connection (default 30).
+        overlap: all-reduce the gradients in buckets during backward, as DDP does
+            (default ``TORCHRELAY_OVERLAP``, on); off: one all-reduce after backward.
+        bucket_mb: the overlap's bucket size (default ``TORCHRELAY_BUCKET_MB`` or 25).
+        verify_every: compare every rank's tracked state every N steps (0: never).
     """
     if warm_up is not None and not callable(warm_up):
         raise TypeError(f"torchrelay.init(warm_up=...) needs a callable, got {warm_up!r}")

@@ -15,18 +15,20 @@ def test_public_surface_is_pinned() -> None:
         "AgentError",
         "DivergenceError",
         "Job",
+        "StepBatchSampler",
         "init",
         "state_digest",
     ]
     assert torchrelay.Job is torchrelay.agent.Job
-    for name in ("track", "batches", "step", "finish"):
+    for name in ("track", "batches", "step", "reduce_gradients", "sampler", "finish"):
         assert callable(getattr(torchrelay.Job, name))
     for prop in ("rank", "world_size", "generation", "committed_step"):
         assert isinstance(inspect.getattr_static(torchrelay.Job, prop), property)
     params = inspect.signature(torchrelay.Job.batches).parameters
     assert list(params)[1:4] == ["dataset", "batch_size", "max_steps"]
     assert all(
-        params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("seed", "shuffle", "collate_fn")
+        params[k].kind is inspect.Parameter.KEYWORD_ONLY
+        for k in ("seed", "shuffle", "collate_fn", "accumulate")
     )
 
 
