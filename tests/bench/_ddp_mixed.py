@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 
 torch.set_num_threads(1)
 
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore  # noqa: E402
+from torch._C._distributed_c10d import PrefixStore, TCPStore  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import torchrelay  # noqa: E402
@@ -78,10 +78,10 @@ store = TCPStore(
     wait_for_workers=False,
     timeout=timeout,
 )
-opts = ProcessGroupGloo._Options()
-opts._timeout = timeout
-opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-ddp_pg = ProcessGroupGloo(PrefixStore("ddp", store), rank, world, opts)
+# DDP's group is the default one, as torchrun scripts make it (the agent uses its own).
+torch.distributed.init_process_group(
+    "gloo", store=PrefixStore("ddp", store), rank=rank, world_size=world, timeout=timeout
+)
 
 tokens = torch.randint(0, vocab, (512, seq + 1), generator=torch.Generator().manual_seed(5))
 data = TensorDataset(tokens)
@@ -90,9 +90,7 @@ sampler = StepSampler(len(data), batch, world, seed=7)
 ddp_model, ddp_opt = build()
 # DDP at its documented best for a fixed graph: gradients as views of its buckets (no copy)
 # and a static graph; buckets of the default 25 MB, as torchrelay's.
-ddp = DistributedDataParallel(
-    ddp_model, process_group=ddp_pg, gradient_as_bucket_view=True, static_graph=True
-)
+ddp = DistributedDataParallel(ddp_model, gradient_as_bucket_view=True, static_graph=True)
 agent_model, agent_opt = build()
 job.track(model=agent_model, optimizer=agent_opt)
 
@@ -136,7 +134,7 @@ for index in range(blocks):
     first()
     second()
 
-ddp_pg.barrier().wait()
+torch.distributed.barrier()
 member = os.environ["TORCHRELAY_MEMBER_ID"]
 out = Path(os.environ["TORCHRELAY_RUN_DIR"]) / f"{member}.ddp.json"
 params = sum(p.numel() for p in agent_model.parameters())
