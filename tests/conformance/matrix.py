@@ -113,6 +113,10 @@ REDUCED = [
     Cell("rich", "allreduce", "KILL", "idle"),
     Cell("plain", "between", "STOP", "idle"),
     Cell("plain", "send_state", "KILL", "hogs"),
+    # The step API: buckets in flight at the kill, and a kill between the all-reduce and
+    # the optimizers of a stream fed through a StatefulDataLoader.
+    Cell("llm", "late_backward", "KILL", "hogs"),
+    Cell("stream", "clip", "KILL", "idle"),
 ]
 
 

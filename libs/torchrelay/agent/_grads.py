@@ -49,17 +49,23 @@ def unflatten_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], world_
     """The all-reduced buffer of :func:`flatten_grads` back into the mean gradients."""
     numel = sum(p.numel() for p in params)
     grads = flat[:numel]
-    grads.div_(world_size)
     present = flat[numel : numel + len(params)].tolist()
     offset = 0
     for p, count in zip(params, present, strict=True):
         n = p.numel()
+        part = grads[offset : offset + n].view_as(p)
+        offset += n
         if count == 0:
             p.grad = None
+        elif p.grad is not None and p.grad.dtype == flat.dtype and p.grad.is_contiguous():
+            # The mean written straight into the gradient: one pass over the buffer instead
+            # of a division and then a copy (the same division, so the same bits).
+            torch.div(part, world_size, out=p.grad)
+        elif p.grad is None and p.dtype == flat.dtype:
+            p.grad = torch.div(part, world_size)
         else:
-            view = grads[offset : offset + n].view_as(p).to(p.dtype)
+            mean = torch.div(part, world_size).to(p.dtype)
             if p.grad is None:
-                p.grad = view.clone()
+                p.grad = mean
             else:
-                p.grad.copy_(view)
-        offset += n
+                p.grad.copy_(mean)

@@ -53,3 +53,35 @@ def test_the_step_buffer_is_reused_when_it_fits_and_replaced_when_it_does_not() 
     bigger = flatten_grads(list(other.parameters()), torch.device("cpu"), 0.0, first)
     assert bigger.data_ptr() != first.data_ptr()
     assert bigger.numel() == sum(p.numel() for p in other.parameters()) + 2 + 1
+
+
+def test_the_mean_is_bitwise_a_division_of_the_sum_whatever_the_gradient_held() -> None:
+    # The mean goes straight into the gradient (kept, set to None, or of another dtype):
+    # every case must give the bits of dividing the summed buffer by the world size.
+    torch.manual_seed(0)
+    kept, fresh = torch.nn.Linear(7, 5), torch.nn.Linear(7, 5)
+    half = torch.nn.Linear(7, 5).to(torch.bfloat16)
+    for model in (kept, fresh, half):
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        flat = flatten_grads(params, torch.device("cpu"), 0.0)
+        flat[: -len(params) - 1].mul_(3.7)  # a sum over three ranks, inexact in binary
+        numel = sum(p.numel() for p in params)
+        expected = (flat[:numel] / 3).clone()
+        if model is fresh:
+            for p in params:
+                p.grad = None  # zero_grad(): the buffer's count still says present
+        unflatten_grads(flat, params, 3)
+        got = torch.cat([p.grad.float().reshape(-1) for p in params])  # type: ignore[union-attr]
+        want = torch.cat(
+            [
+                expected[o : o + p.numel()].to(p.dtype).float()
+                for o, p in zip(
+                    [sum(q.numel() for q in params[:i]) for i in range(len(params))],
+                    params,
+                    strict=True,
+                )
+            ]
+        )
+        assert torch.equal(got, want)
