@@ -57,15 +57,11 @@ def unflatten_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], world_
         offset += n
         if count == 0:
             p.grad = None
-        elif p.grad is not None and p.grad.dtype == flat.dtype and p.grad.is_contiguous():
+        elif p.grad is None:
+            p.grad = torch.div(part, world_size).to(p.dtype)
+        elif p.grad.dtype == flat.dtype and p.grad.is_contiguous():
             # The mean written straight into the gradient: one pass over the buffer instead
             # of a division and then a copy (the same division, so the same bits).
             torch.div(part, world_size, out=p.grad)
-        elif p.grad is None and p.dtype == flat.dtype:
-            p.grad = torch.div(part, world_size)
         else:
-            mean = torch.div(part, world_size).to(p.dtype)
-            if p.grad is None:
-                p.grad = mean
-            else:
-                p.grad.copy_(mean)
+            p.grad.copy_(torch.div(part, world_size))  # divided in the buffer's dtype, cast

@@ -56,32 +56,31 @@ def test_the_step_buffer_is_reused_when_it_fits_and_replaced_when_it_does_not() 
 
 
 def test_the_mean_is_bitwise_a_division_of_the_sum_whatever_the_gradient_held() -> None:
-    # The mean goes straight into the gradient (kept, set to None, or of another dtype):
-    # every case must give the bits of dividing the summed buffer by the world size.
+    # The mean goes straight into the gradient (kept, set to None, or cast to a parameter
+    # of another dtype): every case must give the bits of dividing the summed buffer by
+    # the world size in the buffer's dtype.
     torch.manual_seed(0)
-    kept, fresh = torch.nn.Linear(7, 5), torch.nn.Linear(7, 5)
-    half = torch.nn.Linear(7, 5).to(torch.bfloat16)
-    for model in (kept, fresh, half):
-        params = list(model.parameters())
+    wide, narrow = torch.nn.Linear(7, 5), torch.nn.Linear(7, 5).to(torch.bfloat16)
+    for params, set_to_none in (
+        (list(wide.parameters()), False),
+        (list(wide.parameters()), True),
+        (list(wide.parameters()) + list(narrow.parameters()), False),  # fp32 buffer
+        (list(wide.parameters()) + list(narrow.parameters()), True),
+    ):
         for p in params:
             p.grad = torch.randn_like(p)
         flat = flatten_grads(params, torch.device("cpu"), 0.0)
-        flat[: -len(params) - 1].mul_(3.7)  # a sum over three ranks, inexact in binary
         numel = sum(p.numel() for p in params)
-        expected = (flat[:numel] / 3).clone()
-        if model is fresh:
+        flat[:numel].mul_(3.7)  # a sum over three ranks, inexact in binary
+        expected = flat[:numel] / 3
+        if set_to_none:
             for p in params:
                 p.grad = None  # zero_grad(): the buffer's count still says present
         unflatten_grads(flat, params, 3)
-        got = torch.cat([p.grad.float().reshape(-1) for p in params])  # type: ignore[union-attr]
-        want = torch.cat(
-            [
-                expected[o : o + p.numel()].to(p.dtype).float()
-                for o, p in zip(
-                    [sum(q.numel() for q in params[:i]) for i in range(len(params))],
-                    params,
-                    strict=True,
-                )
-            ]
-        )
-        assert torch.equal(got, want)
+        offset = 0
+        for p in params:
+            want = expected[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+            assert p.grad is not None
+            assert p.grad.dtype == p.dtype
+            assert torch.equal(p.grad, want)
