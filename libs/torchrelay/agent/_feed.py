@@ -24,6 +24,7 @@ import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset
 
 from torchrelay.agent._data import (
@@ -227,3 +228,51 @@ class StatefulFeed(Feed):
         assert positions is not None
         self.positions.step = step
         self.positions.states = positions
+
+
+def make_feed(
+    data: Any,
+    batch_size: int | None,
+    seed: int,
+    shuffle: bool,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    accumulate: int,
+    tracked: dict[str, Any],
+) -> Feed:
+    """The feed for what the loop passed to ``Job.batches``; a stateful loader's position
+    is tracked in ``tracked`` so that it moves with the rank."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+    sampler = getattr(data, "batch_sampler", None)
+    if isinstance(sampler, StepBatchSampler):
+        if batch_size is not None:
+            raise ValueError(
+                "job.batches(loader, ...): the loader's job.sampler() sets the batch "
+                "size; leave batch_size out"
+            )
+        return LoaderFeed(data, sampler, accumulate)
+    if callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None)
+    ):
+        positions = DataPositions()
+        tracked[POSITIONS] = positions
+        return StatefulFeed(data, positions, seed, accumulate)
+    if isinstance(data, torch.utils.data.DataLoader):
+        raise AgentError(
+            "job.batches cannot know which batch of a plain DataLoader belongs to a step: "
+            "build it with batch_sampler=job.sampler(dataset, batch_size), or use "
+            "torchdata's StatefulDataLoader, whose position moves with the rank"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(
+            f"job.batches(dataset, batch_size, max_steps) needs a positive batch_size, "
+            f"got {batch_size!r}"
+        )
+    return MapFeed(
+        data,
+        batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        collate_fn=collate_fn,
+        accumulate=accumulate,
+    )

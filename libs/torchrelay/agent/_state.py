@@ -15,9 +15,12 @@ import io
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from torchrelay.contract import Generation
 
 
 class Stateful(Protocol):
@@ -183,6 +186,19 @@ class ReceiveTargets:
         undo, self.live = self.live, []
         for fresh in undo:
             fresh()
+
+
+@dataclass
+class PendingState:
+    """A received state whose modules are loaded while the rest is still arriving."""
+
+    gen: Generation
+    pg: Any
+    skeleton: Any
+    large: list[torch.Tensor]
+    works: list[Any]
+    loaded: list[str]
+    targets: ReceiveTargets
 
 
 def _fresh_data(t: torch.Tensor) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,8 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_wor
 
 from torchrelay.agent._data import StepBatchSampler, StepSampler
 from torchrelay.agent._errors import AgentError
-from torchrelay.agent._feed import DataPositions, LoaderFeed, MapFeed, StatefulFeed
-from torchrelay.agent._job import Job
+from torchrelay.agent._feed import DataPositions, LoaderFeed, MapFeed, StatefulFeed, make_feed
 
 STOP = 6
 
@@ -150,20 +148,19 @@ def test_a_stream_that_cannot_say_its_position_is_refused() -> None:
         StatefulFeed(StatefulDataLoader(Replayed(), batch_size=2), DataPositions(), 0, 1)
 
 
-def make_feed(data: Any, batch_size: int | None = None, accumulate: int = 1) -> Any:
-    job: Any = SimpleNamespace(_tracked={})
-    return Job._make_feed(job, data, batch_size, 0, True, None, accumulate)
+def feed_for(data: Any, batch_size: int | None = None, accumulate: int = 1) -> Any:
+    return make_feed(data, batch_size, 0, True, None, accumulate, {})
 
 
 def test_what_job_batches_cannot_step_index_is_refused_with_what_to_do() -> None:
     data = dataset()
     with pytest.raises(AgentError, match=r"batch_sampler=job\.sampler\(dataset, batch_size\)"):
-        make_feed(DataLoader(data, batch_size=4, shuffle=True))
+        feed_for(DataLoader(data, batch_size=4, shuffle=True))
     with pytest.raises(ValueError, match="sets the batch size; leave batch_size out"):
-        make_feed(loader(data, workers=0), batch_size=4)
+        feed_for(loader(data, workers=0), batch_size=4)
     with pytest.raises(ValueError, match="accumulate must be a whole number >= 1, got 0"):
-        make_feed(data, 4, accumulate=0)
+        feed_for(data, 4, accumulate=0)
     with pytest.raises(ValueError, match="needs a positive batch_size, got None"):
-        make_feed(data)
+        feed_for(data)
     with pytest.raises(TypeError, match="map-style dataset with __len__"):
-        make_feed(iter([1, 2]), 4)
+        feed_for(iter([1, 2]), 4)

@@ -5,30 +5,30 @@ from __future__ import annotations
 import pytest
 
 from torchrelay.agent._chaos import ChaosPoint
+from torchrelay.agent._config import verify_every_setting
 from torchrelay.agent._errors import AgentError
-from torchrelay.agent._job import _verify_every
 
 
 def test_verify_every_comes_from_the_option_then_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("TORCHRELAY_VERIFY_EVERY", raising=False)
-    assert _verify_every(None) == 0
+    assert verify_every_setting(None) == 0
     monkeypatch.setenv("TORCHRELAY_VERIFY_EVERY", "25")
-    assert _verify_every(None) == 25
-    assert _verify_every(3) == 3
+    assert verify_every_setting(None) == 25
+    assert verify_every_setting(3) == 3
 
 
 @pytest.mark.parametrize("raw", ["every", "1.5", "-2"])
 def test_a_bad_verify_every_is_named(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     monkeypatch.setenv("TORCHRELAY_VERIFY_EVERY", raw)
     with pytest.raises(AgentError, match=r"N >= 1|whole number of steps >= 1"):
-        _verify_every(None)
+        verify_every_setting(None)
 
 
 def test_a_bad_verify_every_option_is_named() -> None:
     with pytest.raises(AgentError, match=r"verify_every=True: give a whole number"):
-        _verify_every(True)
+        verify_every_setting(True)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,211 @@
+"""A step's exchanges over the live group: loader positions, the gradients' all-reduce in
+buckets, the commit, the divergence guard and what a step that did not commit undoes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchrelay.agent._agree import find_divergence
+from torchrelay.agent._errors import AgentError, DivergenceError
+from torchrelay.agent._group import GRAVEYARD, Abandoned, CollectiveError
+from torchrelay.agent._recovery import Recovery
+from torchrelay.agent._state import outside_state, restore_outside_state
+from torchrelay.contract import Generation, ReportKind, make_event_id
+
+HEARTBEAT_MIN_INTERVAL_S = 0.2  # step heartbeats: at most 5 per second
+
+
+class GradientExchange(Recovery):
+    """The collectives of a step, from its batches to its commit."""
+
+    def _micro_batches(self, micro: Iterator[Any], count: int, gen: Generation) -> Iterator[Any]:
+        """The step's micro-batches; the last one's backward launches the overlap buckets."""
+        for index, batch in enumerate(micro):
+            if index == count - 1:
+                self._arm_overlap(gen)
+            yield batch
+
+    def _arm_overlap(self, gen: Generation) -> None:
+        stale = self._stale(gen)
+        pg = self._pg
+        self._reducer.arm(pg, lambda: self._pending is None and not stale())
+
+    def _exchange_positions(self, gen: Generation, mine: bytes) -> bool:
+        """Every rank's loader position after the step's batches (stateful feeds);
+        False when the group failed or was left (the step is drawn again)."""
+        assert self._rank is not None
+        try:
+            self._settle_state()
+            coll = self._collectives(self._pg, self._rank, self._stale(gen))
+            self._positions = coll.allgather_sized(mine)
+        except Abandoned:
+            return False
+        except CollectiveError as exc:
+            self._collective_failed(gen, self._current_rank(), exc)
+            return False
+        return True
+
+    def _agree_done(self, max_steps: int) -> bool:
+        """Every live rank has committed the last step: the loop may end everywhere."""
+        gen, pg = self._gen, self._pg
+        assert gen is not None
+        flag = torch.tensor([self._committed], dtype=torch.int64, device=self.backend.device)
+        try:
+            self._settle_state()
+            self._run(pg.allreduce([flag], dist.AllreduceOptions()), pg, self._stale(gen))
+        except Abandoned:
+            return False
+        except CollectiveError as exc:
+            self._collective_failed(gen, self._current_rank(), exc)
+            return False
+        done = int(flag.item()) >= gen.world_size * (max_steps - 1)
+        if done and self.verify_every and not self._verify(gen, pg):
+            return False  # the check was cut short by a new generation: agree again there
+        return done
+
+    def _all_reduce(self, gen: Generation, pg: Any, step: int) -> None:
+        """Launch what the backward did not and wait for every bucket of the step.
+
+        Raises:
+            Abandoned, CollectiveError: the group was left or failed (it is given up).
+        """
+        with self._lock:
+            switch_wanted = self._latest is not None and self._latest.generation > gen.generation
+        works: list[Any] = []
+        try:
+            try:
+                works = self._reducer.launch(pg, 1.0 if switch_wanted else 0.0)
+            except AgentError:
+                raise
+            except RuntimeError as exc:  # the group refused a collective: it is broken
+                raise CollectiveError(f"all-reduce could not start: {exc}") from exc
+            self._chaos.hit("allreduce", step)
+            for work in works:
+                self._run(work, pg, self._stale(gen))
+        except (Abandoned, CollectiveError):
+            # The other buckets' collectives may still write into their buffers.
+            GRAVEYARD.keep(*works, *self._reducer.forget(), in_flight=bool(works))
+            if pg is self._pg:
+                self.backend.abandon(pg)
+                self._pg = None
+            self._regroup = True
+            raise
+
+    def _end_step(self) -> None:
+        """After the loop's optimizer step: the divergence guard, a boundary switch."""
+        after, self._after = self._after, None
+        if after is None:
+            return
+        gen, step, switch = after
+        if self.verify_every and (step + 1) % self.verify_every == 0 and self._pg is not None:
+            self._verify(gen, self._pg)
+        if switch:
+            self._switch_at_boundary(gen)
+
+    def _keeps_gradients(self, old: Generation) -> bool:
+        """Enter the next generation from inside a step; True if this step's gradients hold.
+
+        The gradient of (step, rank) is a pure function of the state at the last commit, the
+        step and the rank (``job.batches`` and the per-step seeds). So a survivor that keeps
+        its rank in a group of the same size, and whose state the new generation's sync did
+        not replace, only has to redo the all-reduce; the rank's new holder computes the lost
+        rank's gradient from the state it received. Nothing is recomputed on the survivors,
+        and the all-reduce sums the same gradients in the same order as without the failure.
+        """
+        rank, committed = self._rank, self._committed
+        self._enter_generation()
+        new = self._gen
+        assert new is not None
+        # Before the first commit the start rule may replace a survivor's state without
+        # moving its step: any state received means the gradients in hand are stale.
+        received = bool(self._resume and self._resume.get("bytes_received"))
+        return (
+            new.world_size == old.world_size
+            and self._rank == rank
+            and self._committed == committed
+            and not received
+        )
+
+    def _discard(self, params: list[torch.nn.Parameter]) -> None:
+        GRAVEYARD.keep(*self._reducer.forget())
+        self._lost_steps = 1
+        for p in params:
+            p.grad = None
+        self._remember_outside_state()
+
+    def _remember_outside_state(self) -> None:
+        """A step did not commit: keep what the loop may still change behind the agent's
+        back (a scheduler stepped whatever ``job.step()`` returned) to put it back before
+        the step is yielded again, so the repeated step starts from the state it would have
+        had (:func:`outside_state`)."""
+        self._rollback = outside_state(self._tracked)
+
+    def _undo_outside_changes(self) -> None:
+        """Put back what :meth:`_remember_outside_state` kept (once)."""
+        rollback, self._rollback = self._rollback, None
+        if rollback is not None:
+            restore_outside_state(self._tracked, rollback)
+
+    def _verify(self, gen: Generation, pg: Any) -> bool:
+        """The divergence guard: every rank digests its tracked state; any difference stops
+        the job naming the first rank that differs from rank 0 and the first entry.
+
+        Returns False when a collective failed or was left for a newer generation: the
+        check is skipped (the next generation's sync starts every rank from one state).
+
+        Raises:
+            DivergenceError: two ranks hold different states.
+        """
+        rank = self._rank
+        assert rank is not None
+        try:
+            found = find_divergence(
+                self._collectives(pg, rank, self._stale(gen)), self._tracked, self._committed
+            )
+        except Abandoned:
+            return False
+        except CollectiveError as exc:
+            self._collective_failed(gen, rank, exc)
+            return False
+        if found is None:
+            return True
+        raise DivergenceError(
+            f"torchrelay divergence guard: after step {self._committed} in generation "
+            f"{gen.generation} rank {found.ranks[0]}'s tracked state differs from rank 0's, "
+            f"first in {found.path} (ranks that differ: {found.ranks}); the job is stopped "
+            "because its ranks no longer train one model"
+        )
+
+    def _commit(self, step: int, gen: Generation) -> None:
+        now = time.monotonic()
+        self._committed = step
+        self._in_step = None
+        if self._step_started is not None:
+            self._step_time = time.perf_counter() - self._step_started
+        if self._resume is not None:
+            resume, self._resume = self._resume, None
+            since = self._last_commit_t if self._last_commit_t is not None else self._named_t
+            stall_ms = 0.0 if gen.generation == 1 or since is None else (now - since) * 1000
+            self._report(
+                ReportKind.RESUMED,
+                generation=resume["generation"],
+                rank=resume["rank"],
+                step=resume["step"],
+                lost_steps=resume["lost_steps"],
+                bytes_received=resume["bytes_received"],
+                stall_ms=stall_ms,
+                event_id=make_event_id("resumed", self.member_id, resume["generation"]),
+            )
+            self._mark("resumed", generation=resume["generation"], step=step, stall_ms=stall_ms)
+            self._lost_steps = 0
+            with self._lock:
+                self._disrupted_t = None
+        self._last_commit_t = now
+        if now - self._last_step_hb >= HEARTBEAT_MIN_INTERVAL_S:
+            self._last_step_hb = now
+            self._heartbeat("step")

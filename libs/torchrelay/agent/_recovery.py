@@ -1,0 +1,363 @@
+"""Recovery: following the job's generations, forming each generation's group, and bringing
+every rank to the committed state (docs/design.md §4)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from torchrelay.agent._agree import NO_STATE, Collectives, start_sources, state_sources
+from torchrelay.agent._errors import AgentError
+from torchrelay.agent._group import (
+    GRAVEYARD,
+    Abandoned,
+    CollectiveError,
+    form_group,
+    wait_work,
+)
+from torchrelay.agent._hooks import ProcessHooks
+from torchrelay.agent._state import (
+    PendingState,
+    ReceiveTargets,
+    as_bytes,
+    load_entries,
+    pack_state,
+    read_header,
+    receive_targets,
+    split_by_arrival,
+)
+from torchrelay.contract import Generation, MigrationMode, ReportKind, make_event_id
+
+
+class Recovery(ProcessHooks):
+    """Generations in, a formed group and one committed state out."""
+
+    def _on_generation(self, gen: Generation) -> None:
+        """Net thread: record a generation; fence at once if it drops us immediately."""
+        with self._lock:
+            if gen.job_id != self.job_id or (
+                self._latest is not None and gen.generation <= self._latest.generation
+            ):
+                return
+            self._latest = gen
+            if gen.mode == MigrationMode.IMMEDIATE:
+                self._latest_immediate = gen.generation
+            named = gen.member_rank(self.member_id) is not None
+            if named:
+                self._ever_named = True
+            if gen.mode == MigrationMode.BOUNDARY and self.member_id in gen.departing:
+                # Told to leave at the next step boundary. A later boundary generation
+                # (a second rank drained right after) no longer lists us as departing,
+                # but we still leave at that boundary, not mid-step.
+                self._leaving_at_boundary = True
+            drop_now = (
+                not named
+                and self._ever_named
+                and (
+                    gen.mode == MigrationMode.IMMEDIATE
+                    or (self.member_id not in gen.departing and not self._leaving_at_boundary)
+                    or self._gen is None
+                )
+            )
+            if named and self._named_t is None:
+                self._named_t = time.monotonic()
+            if self._disrupted_t is None and self._gen is not None:
+                self._disrupted_t = time.monotonic()
+            if drop_now:
+                self._exiting = True
+        self._wakeup.set()
+        self._mark("generation_seen", generation=gen.generation)
+        if drop_now:
+            # On the net thread: the report must go out from this loop before we exit.
+            self._net.submit(
+                self._fence_from_loop(f"generation {gen.generation} does not name {self.member_id}")
+            )
+
+    def _superseded(self, gen: Generation) -> Callable[[], bool]:
+        """Whether any generation newer than ``gen`` is known (or we are exiting)."""
+
+        def check() -> bool:
+            latest = self._latest
+            return self._exiting or (latest is not None and latest.generation > gen.generation)
+
+        return check
+
+    def _stale(self, gen: Generation) -> Callable[[], bool]:
+        """Whether a generation newer than ``gen`` requires leaving it at once."""
+        return lambda: self._latest_immediate > gen.generation or self._exiting
+
+    def _named_generation(self) -> Generation:
+        """Block until the newest generation names this member (fence if it never will)."""
+        while True:
+            with self._lock:
+                latest = self._latest
+            if latest is not None and latest.member_rank(self.member_id) is not None:
+                return latest
+            if latest is not None and self._ever_named:
+                self._fence(f"generation {latest.generation} does not name {self.member_id}")
+            self._wait_newer_than(latest)
+
+    def _wait_newer_than(self, seen: Generation | None) -> None:
+        self._wakeup.wait_for(lambda: self._latest is not seen, lambda: False, slice_s=5.0)
+
+    def _store_for(self, gen: Generation) -> Any:
+        """A fresh client of the generation's store (runs on the rendezvous thread).
+
+        Never shared between generations: a TCPStore client serialises its calls, so an
+        abandoned rendezvous still blocked in ``wait`` on a shared client would hold up
+        the next generation's rendezvous until the store timeout.
+        """
+        host, _, port = gen.store_addr.rpartition(":")
+        return TCPStore(
+            host, int(port), is_master=False, wait_for_workers=False, timeout=self.backend.timeout
+        )
+
+    def _store_factory(self, gen: Generation) -> Callable[[], Any]:
+        """Builds generation ``gen``'s store, under its own prefix, on the rendezvous thread."""
+        return lambda: PrefixStore(f"{self.job_id}/g{gen.generation}", self._store_for(gen))
+
+    def _enter_generation(self) -> None:
+        """Join the newest generation naming us and bring every rank to the same state."""
+        while True:
+            gen = self._named_generation()
+            self._drop_pending()  # state still arriving in a group that is being left
+            if self._pg is not None:
+                self.backend.abandon(self._pg)
+                self._pg = None
+            rank = gen.member_rank(self.member_id)
+            assert rank is not None
+            # While the group forms no step is in flight, so any newer generation (boundary
+            # mode too) supersedes this one: members that saw the newer one first never join
+            # this group, and waiting for them would last until the rendezvous timeout.
+            stale = self._superseded(gen)
+            self._mark("forming", generation=gen.generation)
+            try:
+                pg = form_group(
+                    self.backend,
+                    self._store_factory(gen),
+                    rank,
+                    gen.world_size,
+                    self._wakeup,
+                    stale,
+                )
+            except Abandoned:
+                continue
+            except CollectiveError as exc:
+                self._collective_failed(gen, rank, exc)
+                continue
+            self._gen, self._pg, self._rank = gen, pg, rank
+            self._mark("group_formed", generation=gen.generation)
+            try:
+                # Once the group formed every member is in it: like a step, the sync is
+                # left only for an immediate generation (a boundary one is entered after).
+                received = self._sync_state(gen, pg, rank, self._stale(gen))
+            except Abandoned:
+                continue
+            except CollectiveError as exc:
+                self._collective_failed(gen, rank, exc)
+                continue
+            self._regroup = False
+            self._mark("state_synced", generation=gen.generation, bytes_received=received)
+            self._resume = {
+                "generation": gen.generation,
+                "rank": rank,
+                "bytes_received": received,
+                "lost_steps": self._lost_steps,
+                "step": self._committed + 1,
+            }
+            return
+
+    def _sync_state(self, gen: Generation, pg: Any, rank: int, stale: Callable[[], bool]) -> int:
+        """Agree on the highest committed step; its holders send their state below it.
+
+        Before the job's first commit the start rule applies instead (DDP's start): every
+        rank whose state differs from the lowest holder's receives that holder's.
+        Returns the number of state bytes this rank received.
+        """
+        dev = self.backend.device
+        mine = torch.tensor(
+            [self._committed if self._has_state else NO_STATE], dtype=torch.int64, device=dev
+        )
+        outs = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(gen.world_size)]
+        self._run(pg.allgather([outs], [mine]), pg, stale)
+        steps = [int(t.item()) for t in outs]
+        best = max(steps)
+        if best == NO_STATE:
+            raise AgentError(f"no member of generation {gen.generation} holds any state")
+        # Before the first commit: DDP's start; after it, the holders of the newest step.
+        if best < 0:
+            coll = self._collectives(pg, rank, stale)
+            sources = start_sources(coll, steps, self._tracked, self._has_state)
+        else:
+            sources = state_sources(steps)
+        return self._transfer(gen, pg, rank, sources, best, stale)
+
+    def _collectives(self, pg: Any, rank: int, stale: Callable[[], bool]) -> Collectives:
+        """This rank's exchanges in ``pg``, each left like any collective (:meth:`_run`)."""
+        return Collectives(pg, self.backend.device, rank, lambda work: self._run(work, pg, stale))
+
+    def _transfer(
+        self,
+        gen: Generation,
+        pg: Any,
+        rank: int,
+        sources: dict[int, int],
+        best: int,
+        stale: Callable[[], bool],
+    ) -> int:
+        """Send this rank's state to the ranks it serves in ``sources``, or receive its own.
+
+        Returns the number of state bytes this rank received.
+        """
+        dev = self.backend.device
+        receivers = sorted(sources)
+        tag = gen.generation
+        sending_to = [dst for dst in receivers if sources[dst] == rank]
+        if sending_to:
+            packed = pack_state(self._tracked, best, dev)
+            size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=dev)
+            # Post every send at once (header, then each large tensor straight from the
+            # state); the group's transport streams them back to back.
+            works = [
+                pg.send([t], dst, tag)
+                for dst in sending_to
+                for t in (size, packed.header, *packed.large)
+            ]
+            self._chaos.hit("send_state", best + 1)
+            for work in works:
+                self._run(work, pg, stale)
+            return 0
+        if rank in sources:
+            source = sources[rank]
+            size = torch.zeros(1, dtype=torch.int64, device=dev)
+            self._run(pg.recv([size], source, tag), pg, stale)
+            header = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+            self._run(pg.recv([header], source, tag), pg, stale)
+            skeleton = read_header(header)
+            if int(skeleton["step"]) != best:
+                raise AgentError(f"recovery source sent step {skeleton['step']}, expected {best}")
+            early, count = split_by_arrival(skeleton, self._tracked)
+            self._has_state = False  # until all of it arrived (see _settle_state)
+            targets = receive_targets(skeleton, self._tracked, dev)
+            large = targets.tensors
+            works = [pg.recv([as_bytes(t)], source, tag) for t in large]
+            self._chaos.hit("recv_state", best + 1)
+            # The modules come first: load them and let the step's forward and backward run
+            # while the rest (optimizer state) still arrives; step() waits for it.
+            try:
+                for work in works[:count]:
+                    self._run(work, pg, stale)
+            except (Abandoned, CollectiveError):
+                _abandon_receive(works, targets)
+                raise
+            load_entries(skeleton, large, self._tracked, early)
+            self._rollback = None  # the received state is the step's, whatever was undone
+            self._drop_gradients()
+            self._committed = best
+            self._pending = PendingState(gen, pg, skeleton, large, works[count:], early, targets)
+            if count == len(works):
+                self._settle_state()
+            return int(header.numel()) + sum(t.numel() * t.element_size() for t in large)
+        return 0
+
+    def _settle_state(self) -> None:
+        """Wait for the state still arriving from the last sync and load it.
+
+        Until then this member does not count as holding the state (``_has_state``): if
+        the group fails meanwhile, the next generation sends it the whole state again.
+
+        Raises:
+            Abandoned, CollectiveError: the group was left before the state arrived.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            for work in pending.works:
+                self._run(work, pending.pg, self._stale(pending.gen))
+        except (Abandoned, CollectiveError):
+            _abandon_receive(pending.works, pending.targets)
+            raise
+        late = [name for name in self._tracked if name not in pending.loaded]
+        load_entries(pending.skeleton, pending.large, self._tracked, late)
+        self._has_state = True
+        if pending.works:
+            self._mark("state_settled", generation=pending.gen.generation)
+
+    def _drop_pending(self) -> None:
+        """Give up a state still arriving (its group is being left)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.works:
+            _abandon_receive(pending.works, pending.targets)
+
+    def _run(self, work: Any, pg: Any, stale: Callable[[], bool]) -> None:
+        """Wait for ``work``; on Abandoned/CollectiveError the group is given up for good."""
+        try:
+            wait_work(work, self._wakeup, stale)
+        except (Abandoned, CollectiveError):
+            self.backend.abandon(pg, work)
+            if pg is self._pg:
+                self._pg = None
+            self._regroup = True
+            raise
+
+    def _collective_failed(self, gen: Generation, rank: int, exc: CollectiveError) -> None:
+        """Report the failure and wait until a newer generation is known."""
+        self._mark("collective_failed", generation=gen.generation)
+        self._report(
+            ReportKind.COLLECTIVE_FAILED,
+            generation=gen.generation,
+            rank=rank,
+            step=self._committed + 1,
+            peer_rank=exc.peer_rank,
+            error=str(exc)[:8000],
+            event_id=make_event_id(
+                "collective_failed", self.member_id, gen.generation, self._committed + 1
+            ),
+        )
+        with self._lock:
+            if self._disrupted_t is None:
+                self._disrupted_t = time.monotonic()
+        self._wakeup.wait_for(
+            lambda: self._latest is not None and self._latest.generation > gen.generation,
+            lambda: False,
+            slice_s=5.0,
+        )
+
+    def _switch_at_boundary(self, gen: Generation) -> None:
+        """After the agreed commit: leave for the newer generation, or exit if dropped."""
+        self._wakeup.wait_for(
+            lambda: self._latest is not None and self._latest.generation > gen.generation,
+            lambda: False,
+        )
+        with self._lock:
+            latest = self._latest
+        assert latest is not None
+        if latest.member_rank(self.member_id) is None:
+            self._fence(f"left at the step boundary for generation {latest.generation}")
+        if self._pg is not None:
+            self.backend.abandon(self._pg)
+            self._pg = None
+        self._regroup = True
+
+    def _drop_gradients(self) -> None:
+        """Forget the gradients of every tracked module's and optimizer's parameters.
+
+        Called when this rank's state is replaced by a received one: gradients computed on
+        the old state (a spare's warm-up, a step that will be yielded again) must not be
+        accumulated into the first backward on the new one.
+        """
+        for obj in self._tracked.values():
+            if isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+
+
+def _abandon_receive(works: list[Any], targets: ReceiveTargets) -> None:
+    """Leave a state transfer: what its pending receives may still write stays allocated
+    (in the graveyard), and the live state stops using any of it."""
+    GRAVEYARD.keep(*works, *targets.tensors)
+    targets.release_live()
