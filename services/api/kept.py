@@ -25,9 +25,9 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.api.app import ApiState
     from services.api.auth import Principal
     from services.api.cache import ResponseCache
+    from services.api.state import ApiState
 
 INCIDENTS_PATH = "/v1/incidents"
 _JSON = b"application/json"

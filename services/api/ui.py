@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from services.api.auth import Principal, TokenStoreUnavailable
 from services.api.gateway import ApiProblem, Gateway, items_of, parse_list
 from services.api.models import Contract, Guarantee, Incident, NodeView, SpareDepth
+from services.api.state import state_of
 
 COOKIE = "torchrelay_ui"
 MAX_INCIDENTS = 5000
@@ -294,8 +295,6 @@ def _html(text: str, status: int = 200) -> HTMLResponse:
 
 
 async def _operator(request: Request, token: str | None) -> Principal | HTMLResponse:
-    from services.api.app import state_of
-
     _, tokens = state_of(request).require()
     if token is None:
         header = request.headers.get("authorization", "")
@@ -364,8 +363,6 @@ def add_ui(app: FastAPI) -> None:
 
     @app.get("/ui", include_in_schema=False)
     async def dashboard(request: Request) -> Response:
-        from services.api.app import state_of
-
         who = await _operator(request, None)
         if isinstance(who, HTMLResponse):
             return who

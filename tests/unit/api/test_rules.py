@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from services.api.app import merge_clusters, page_locally, tenant_filter
 from services.api.auth import Principal, new_token, token_digest
 from services.api.gateway import ApiProblem
 from services.api.models import ContractRequest, SpareDepth, SpareRegistration, TokenRequest
+from services.api.routes.common import page_locally, tenant_filter
+from services.api.routes.fleet import merge_clusters
 from services.api.settings import ApiSettings, operator_token_problem
 from services.api.ui import gauge_svg, incident_buckets
 from torchrelay.settings import SettingsError, load_settings
