@@ -36,7 +36,7 @@ format: $(STAMP)
 	$(BIN)/ruff format libs services tests
 
 proto: $(STAMP)
-	$(BIN)/python -m torchrelay.protogen proto
+	$(BIN)/python -m services.protogen proto
 
 up: $(STAMP)
 	$(BIN)/torchrelay up

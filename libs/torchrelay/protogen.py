@@ -1,15 +1,12 @@
-"""Generate ``proto/`` from the contract: a JSON Schema per message and an AsyncAPI 3.0 document.
+"""The contract's part of ``proto/``: a JSON Schema per message and an AsyncAPI 3.0 document.
 
-``python -m torchrelay.protogen proto`` writes the files; ``--check`` exits 1 when the
-committed files differ from what the contract generates (the drift test uses it).
+The ground floor, so it imports nothing above the contract: ``python -m services.protogen``
+(which adds the portal API's OpenAPI document) writes and checks the files.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 from torchrelay import __version__
@@ -25,7 +22,7 @@ from torchrelay.contract import (
 )
 
 
-def _dump(data: Any) -> str:
+def dump(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
@@ -36,7 +33,7 @@ def json_schemas() -> dict[str, str]:
         schema = model.model_json_schema(mode="validation")
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schema["$id"] = f"https://torchrelay.dev/schemas/v{SCHEMA_VERSION}/{name}.json"
-        out[f"schemas/{name}.json"] = _dump(schema)
+        out[f"schemas/{name}.json"] = dump(schema)
     return out
 
 
@@ -116,48 +113,8 @@ def asyncapi() -> dict[str, Any]:
 
 
 def generate() -> dict[str, str]:
-    """Relative path → file content for everything under ``proto/``."""
+    """Relative path → file content for the contract's part of ``proto/`` (the schemas and
+    the AsyncAPI document); :mod:`services.protogen` adds the portal API's OpenAPI document."""
     files = json_schemas()
-    files["asyncapi.json"] = _dump(asyncapi())
-    try:
-        from services.api.app import openapi_document
-
-        files["openapi.json"] = _dump(openapi_document())
-    except ImportError:
-        pass
+    files["asyncapi.json"] = dump(asyncapi())
     return files
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Write or check ``proto/``."""
-    parser = argparse.ArgumentParser(prog="python -m torchrelay.protogen")
-    parser.add_argument("out", nargs="?", default="proto")
-    parser.add_argument("--check", action="store_true")
-    args = parser.parse_args(argv)
-    root = Path(args.out)
-    files = generate()
-    stale = []
-    for rel, text in files.items():
-        path = root / rel
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(rel)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-    if not args.check:
-        known = set(files)
-        for path in root.rglob("*.json"):
-            if str(path.relative_to(root)) not in known:
-                path.unlink()
-    if stale:
-        print(
-            f"proto/ is stale ({len(stale)} files, e.g. {stale[0]}); run `make proto`",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

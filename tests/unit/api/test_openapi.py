@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from services.api.app import create_app, openapi_document
 from services.api.settings import ApiSettings
 from tests.unit.api.canned import OPERATOR_TOKEN, BackgroundLoop, CannedServices, ServerThread
-from torchrelay.protogen import generate
+from services.protogen import generate
 from torchrelay.runtime import ServerProcess
 
 with warnings.catch_warnings():

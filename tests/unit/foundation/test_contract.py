@@ -136,7 +136,7 @@ def test_public_surface_is_pinned() -> None:
 
 def test_proto_is_up_to_date() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "torchrelay.protogen", str(ROOT / "proto"), "--check"],
+        [sys.executable, "-m", "services.protogen", str(ROOT / "proto"), "--check"],
         capture_output=True,
         text=True,
         cwd=ROOT,
