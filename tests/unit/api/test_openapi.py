@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, settings
 
 from services.api.app import create_app, openapi_document
 from services.api.settings import ApiSettings
-from tests.unit.api.canned import OPERATOR_TOKEN, BackgroundLoop, CannedServices, ServerThread
 from services.protogen import generate
+from tests.unit.api.canned import OPERATOR_TOKEN, BackgroundLoop, CannedServices, ServerThread
 from torchrelay.runtime import ServerProcess
 
 with warnings.catch_warnings():
