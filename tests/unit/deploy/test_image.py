@@ -29,8 +29,8 @@ def test_pip_installs_the_package_with_the_dev_constraints_and_cpu_torch() -> No
     assert torch
     assert "download.pytorch.org/whl/cpu" in torch[0]
     assert "torch==2.13.0" in (checks.REPO / "constraints" / "dev.txt").read_text()
-    # The OTLP exporter, so TORCHRELAY_OTLP_ENDPOINT (the `otel` profile) works.
-    assert any('".[otlp]"' in r or "'.[otlp]'" in r for r in runs), runs
+    # The control plane the image runs, and the OTLP exporter (the `otel` profile).
+    assert any('".[control-plane,otlp]"' in r for r in runs), runs
 
 
 def test_env_names_are_settings_and_the_port_is_the_one_exposed(

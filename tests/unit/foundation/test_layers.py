@@ -203,7 +203,8 @@ def test_lower_layers_import_no_application(importer: str) -> None:
     assert not bad, f"{importer} imports applications: {bad}"
 
 
-def test_the_training_side_imports_without_the_control_plane() -> None:
+def _without_control_plane(body: str) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` in a Python where the control plane's packages are not installed."""
     blocked = ", ".join(repr(p) for p in CONTROL_PLANE_PACKAGES)
     script = textwrap.dedent(
         f"""
@@ -212,16 +213,46 @@ def test_the_training_side_imports_without_the_control_plane() -> None:
         class Block(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):
                 if name.split(".")[0] in BLOCKED:
-                    raise ImportError(f"{{name}} is a control-plane package")
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
                 return None
         sys.meta_path.insert(0, Block())
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script + textwrap.dedent(body)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_the_control_plane_packages_are_the_extra_s() -> None:
+    from torchrelay.cli import CONTROL_PLANE_MODULES
+
+    assert set(CONTROL_PLANE_PACKAGES) == CONTROL_PLANE_MODULES
+
+
+def test_the_training_side_imports_without_the_control_plane() -> None:
+    proc = _without_control_plane(
+        """
         import torchrelay.agent, torchrelay.launcher, torchrelay.cli
         import torchrelay.examples.train_mlp
         print("ok")
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "ok"
+
+
+def test_an_operator_command_without_the_control_plane_says_what_to_install() -> None:
+    proc = _without_control_plane(
+        """
+        from torchrelay.cli import main
+        print("exit", main(["status"]))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "exit 2"
+    assert "pip install 'torchrelay[control-plane]'" in proc.stderr
+    assert "httpx is not installed" in proc.stderr
