@@ -4,7 +4,7 @@ The ground floor of ``libs/torchrelay`` (contract, bus, settings, auth, observab
 service runner, telemetry …) imports no application (agent, launcher, stack, demo, chaos,
 client, CLI, examples); ``libs/`` never imports ``services/``; a service imports only the
 ground floor; and the training side (agent, launcher, CLI) imports without the control
-plane's packages installed (docs/design.md §2).
+plane's packages installed (docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -256,3 +256,20 @@ def test_an_operator_command_without_the_control_plane_says_what_to_install() ->
     assert proc.stdout.strip() == "exit 2"
     assert "pip install 'torchrelay[control-plane]'" in proc.stderr
     assert "httpx is not installed" in proc.stderr
+
+
+def test_a_service_imports_no_other_service() -> None:
+    graph = _graph("any")
+
+    def service_of(m: str) -> str | None:
+        parts = m.split(".")
+        return parts[1] if parts[0] == "services" and len(parts) > 1 else None
+
+    bad = {
+        m: sorted(t for t in targets if service_of(t) not in (None, service_of(m)))
+        for m, targets in graph.items()
+        # services.protogen writes proto/ from the contract and the API: a tool, no service.
+        if service_of(m) not in (None, "protogen")
+        and any(service_of(t) not in (None, service_of(m)) for t in targets)
+    }
+    assert not bad, f"services meet only on NATS subjects: {bad}"
