@@ -296,7 +296,7 @@ def run_torchft(work: Path, fault: bool) -> tuple[float, Path, dict[str, Any]]:
 def _relay_missing() -> list[str]:
     missing = []
     for module, what in [
-        ("torchrelay.launcher", "libs/torchrelay/launcher.py (torchrelay run)"),
+        ("torchrelay.launcher", "libs/torchrelay/launcher (torchrelay run)"),
         ("torchrelay.agent", "libs/torchrelay/agent (torchrelay.init)"),
     ]:
         try:
