@@ -37,12 +37,45 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help=COMMANDS["up"][2])
     up.add_argument("--detach", action="store_true")
     up.add_argument("--state-dir", default=None)
+    up.add_argument(
+        "--bind",
+        default=None,
+        metavar="ADDR",
+        help="listen on ADDR (NATS, Redis, API) instead of loopback, for other hosts",
+    )
     down = sub.add_parser("down", help=COMMANDS["down"][2])
     down.add_argument("--state-dir", default=None)
 
     run = sub.add_parser("run", help=COMMANDS["run"][2])
-    run.add_argument("--nproc", type=int, required=True)
-    run.add_argument("--spares", type=int, default=0)
+    run.add_argument(
+        "--nproc", type=int, default=None, help="one host: N workers (the one-host shortcut)"
+    )
+    run.add_argument("--spares", type=int, default=0, help="hot spares on this host")
+    hosts = run.add_argument_group("many hosts (torchrun's conventions; one launcher per host)")
+    hosts.add_argument("--nnodes", type=int, default=None, help="hosts of the job's ranks")
+    hosts.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this host's place (0..nnodes-1); left out, the control plane gives the lowest free",
+    )
+    hosts.add_argument("--nproc-per-node", type=int, default=None, help="ranks (or spares) here")
+    hosts.add_argument(
+        "--node-name",
+        default=None,
+        help="this host's name as its detector node agent reports it (default: the hostname)",
+    )
+    hosts.add_argument("--gpus", default=None, help="the devices of this host's slots: 0,1,...")
+    hosts.add_argument(
+        "--spare",
+        action="store_true",
+        help="a spare host: --nproc-per-node hot spares for --job-id",
+    )
+    hosts.add_argument(
+        "--simulate-gpus",
+        action="store_true",
+        help="run a simulated detector node agent for this host (no real GPUs)",
+    )
     run.add_argument("--job-id", default=None)
     run.add_argument("--tenant", default="default")
     run.add_argument("--nodes", type=int, default=1)

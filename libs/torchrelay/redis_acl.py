@@ -58,13 +58,15 @@ _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         *("sadd", "scard", "smembers", "srem", "zadd", "zrevrange"),
     ),
     # services/scheduler/registry.py (WATCH/MULTI/EXEC; UNWATCH on reset), incidents.py,
-    # their Lua, and torchrelay.auth.JobCredentialStore (credentials.py)
+    # their Lua, torchrelay.auth.JobCredentialStore (credentials.py) and the hosts'
+    # rendezvous (hosts.py, in its Lua)
     "scheduler": (
         *_REDIS_CONNECT,
         *_REDIS_DEDUPE,
         *_REDIS_MULTI,
         *("watch", "unwatch", "eval"),
-        *("get", "mget", "del", "hgetall", "hset", "sadd", "smembers", "srem"),
+        *("get", "mget", "del", "expire", "hget", "hgetall", "hset"),
+        *("sadd", "scard", "smembers", "srem"),
         *("zadd", "zrange", "zrevrange", "zrevrangebyscore"),
     ),
     # services/spare_pool/inventory.py (Inventory, and in its Lua library and scripts)

@@ -147,11 +147,15 @@ class ServerProcess:
 
 
 def nats_config_text(
-    port: int, store_dir: Path, monitor_port: int | None = None, extra: str = ""
+    port: int,
+    store_dir: Path,
+    monitor_port: int | None = None,
+    extra: str = "",
+    host: str = "127.0.0.1",
 ) -> str:
     """The embedded NATS server configuration: JetStream with fsync on every write."""
     lines = [
-        f"listen: 127.0.0.1:{port}",
+        f"listen: {host}:{port}",
         "jetstream {",
         f'  store_dir: "{store_dir}"',
         "  sync_interval: always",
@@ -172,20 +176,23 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
-def nats_server(state_dir: Path, port: int | None = None, extra_config: str = "") -> ServerProcess:
-    """Prepare (not start) an embedded ``nats-server`` with JetStream under ``state_dir``."""
-    port = port or free_port()
+def nats_server(
+    state_dir: Path, port: int | None = None, extra_config: str = "", host: str = "127.0.0.1"
+) -> ServerProcess:
+    """Prepare (not start) an embedded ``nats-server`` with JetStream under ``state_dir``,
+    listening on ``host`` (loopback unless ``torchrelay up --bind``)."""
+    port = port or free_port(host)
     data = state_dir / "nats"
     data.mkdir(parents=True, exist_ok=True)
     conf = data / "nats.conf"
     os.chmod(data, 0o700)
     # Every role's password is in it when authentication is on.
-    _write_private(conf, nats_config_text(port, data / "jetstream", extra=extra_config))
+    _write_private(conf, nats_config_text(port, data / "jetstream", extra=extra_config, host=host))
     argv = [str(find_nats_server()), "-c", str(conf)]
     return ServerProcess(
         "nats-server",
-        f"nats://127.0.0.1:{port}",
-        "127.0.0.1",
+        f"nats://{host}:{port}",
+        host,
         port,
         data,
         argv,
@@ -198,6 +205,7 @@ def redis_server(
     port: int | None = None,
     password: str | None = None,
     aclfile: Path | None = None,
+    host: str = "127.0.0.1",
 ) -> ServerProcess:
     """Prepare (not start) an embedded ``redis-server`` with AOF ``appendfsync always``.
 
@@ -206,7 +214,7 @@ def redis_server(
         aclfile: an ACL file defining ``default`` (with ``password``) and one user per
             service; the URL returned is the default user's.
     """
-    port = port or free_port()
+    port = port or free_port(host)
     data = state_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     os.chmod(data, 0o700)  # the AOF holds the ledger and the job credentials' hashes
@@ -215,7 +223,7 @@ def redis_server(
         "--port",
         str(port),
         "--bind",
-        "127.0.0.1",
+        host,
         "--dir",
         str(data),
         "--appendonly",
@@ -238,8 +246,8 @@ def redis_server(
         auth = f":{password}@"
     return ServerProcess(
         "redis-server",
-        f"redis://{auth}127.0.0.1:{port}/0",
-        "127.0.0.1",
+        f"redis://{auth}{host}:{port}/0",
+        host,
         port,
         data,
         argv,

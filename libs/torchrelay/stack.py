@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -52,10 +53,10 @@ def read_stack(state_dir: Path) -> dict[str, Any] | None:
     return data
 
 
-def _ready(port: int, pid: int | None) -> bool:
+def _ready(port: int, pid: int | None, host: str = "127.0.0.1") -> bool:
     """``/readyz`` on ``port`` answers 200 from the process ``pid`` (not another on the port)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1.0) as resp:
+        with urllib.request.urlopen(f"http://{host}:{port}/readyz", timeout=1.0) as resp:
             body = json.loads(resp.read() or b"{}")
             return int(resp.status) == 200 and isinstance(body, dict) and body.get("pid") == pid
     except (OSError, ValueError):
@@ -77,6 +78,7 @@ class ManagedService:
     started_at: float = 0.0
     ready: bool = False
     died_unready: bool = False  # its last run ended before it was ever ready
+    host: str = "127.0.0.1"  # where its HTTP server listens
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +117,9 @@ class Supervisor:
     stopping: bool = False
     auth: AuthBundle | None = None
     nats_auth: bool = False
+    # ``torchrelay up --bind ADDR``: NATS, Redis and the API listen on ADDR, for hosts
+    # elsewhere (the other services' health endpoints stay on loopback).
+    bind: str = field(default_factory=lambda: os.environ.get("TORCHRELAY_BIND") or "127.0.0.1")
 
     def _auth_bundle(self) -> AuthBundle | None:
         """The stack's credentials: generated under ``<state>/auth`` for embedded servers,
@@ -132,7 +137,7 @@ class Supervisor:
         self.auth = self._auth_bundle()
         if not self.nats_url:
             extra = self.auth.nats_authorization() if self.auth else ""
-            self.servers["nats"] = nats_server(self.state_dir, extra_config=extra)
+            self.servers["nats"] = nats_server(self.state_dir, extra_config=extra, host=self.bind)
             self.servers["nats"].start()
             self.nats_url = self.servers["nats"].url
             self.nats_auth = self.auth is not None
@@ -145,6 +150,7 @@ class Supervisor:
                 self.state_dir,
                 password=self.auth.redis_password if self.auth else None,
                 aclfile=self.auth.redis_acl_path if self.auth else None,
+                host=self.bind,
             )
             self.servers["redis"].start()
             self.redis_url = self.servers["redis"].url
@@ -167,8 +173,9 @@ class Supervisor:
         if self.operator_token:
             base["TORCHRELAY_OPERATOR_TOKEN"] = self.operator_token
         for name in SERVICES:
-            port = free_port()
-            env = dict(base, TORCHRELAY_HTTP_PORT=str(port))
+            host = self.bind if name == "api" else "127.0.0.1"
+            port = free_port(host)
+            env = dict(base, TORCHRELAY_HTTP_PORT=str(port), TORCHRELAY_HTTP_HOST=host)
             if self.auth is not None and self.nats_auth:
                 env["TORCHRELAY_NATS_CREDENTIALS"] = str(self.auth.cred_path(name))
                 if name == "scheduler":
@@ -179,7 +186,9 @@ class Supervisor:
             if self.auth is not None and redis_host is not None and redis_port is not None:
                 # Each service its own Redis user, limited to its key prefix.
                 env["REDIS_URL"] = self.auth.redis_url(redis_host, redis_port, role=name)
-            svc = ManagedService(name, port, env, self.state_dir / "logs" / f"{name}.log")
+            svc = ManagedService(
+                name, port, env, self.state_dir / "logs" / f"{name}.log", host=host
+            )
             svc.start()
             self.services[name] = svc
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -236,11 +245,11 @@ class Supervisor:
                     if svc.died_unready:
                         # It died before it was ever ready on this port: the port may have
                         # been taken since free_port() chose it (EADDRINUSE); take another.
-                        svc.port = free_port()
+                        svc.port = free_port(svc.host)
                         svc.env["TORCHRELAY_HTTP_PORT"] = str(svc.port)
                     svc.start()
                     changed = True
-            elif not svc.ready and _ready(svc.port, svc.proc.pid if svc.proc else None):
+            elif not svc.ready and _ready(svc.port, svc.proc.pid if svc.proc else None, svc.host):
                 svc.ready = True
                 changed = True
         if changed and all(s.ready for s in self.services.values()):
@@ -251,7 +260,7 @@ class Supervisor:
         data = {
             "nats_url": self.nats_url,
             "redis_url": self.redis_url,
-            "api_url": f"http://127.0.0.1:{api.port}" if api else None,
+            "api_url": f"http://{api.host}:{api.port}" if api else None,
             "operator_token": self.operator_token,
             "auth": bool(self.nats_auth),
             # The credentials `torchrelay run` (launcher), the CLI (operator) and the node
@@ -354,6 +363,14 @@ def supervise(state_dir: Path) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     """``torchrelay up``: run the stack (foreground), or start it detached and return."""
     state_dir = state_dir_from(args.state_dir)
+    bind = getattr(args, "bind", None)
+    if bind:
+        try:
+            ipaddress.ip_address(bind)
+        except ValueError:
+            print(f"--bind {bind!r}: give an IP address of this host", file=sys.stderr)
+            return 2
+        os.environ["TORCHRELAY_BIND"] = bind  # the supervisor (here or detached) reads it
     existing = read_stack(state_dir)
     if existing and _pid_alive(existing.get("supervisor_pid")):
         print(

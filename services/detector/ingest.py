@@ -240,6 +240,12 @@ class IngestMixin(InventoryMixin, HardwareFaultsMixin):
         if act is None:
             act = self.activity[hb.job_id] = JobActivity(hb.job_id)
         act.last_beat = now
+        if hb.kind == "launcher":
+            act.launchers[hb.member_id] = (hb.node, now)
+            return
+        if hb.kind == "launcher_stopped":
+            act.launchers.pop(hb.member_id, None)
+            return
         m = act.members.get(hb.member_id)
         if m is None:
             m = act.members[hb.member_id] = MemberProgress(

@@ -56,6 +56,8 @@ class LivenessMixin(FaultsMixin):
             for m in act.members.values():
                 m.last_seen += seconds
                 m.last_progress += seconds
+            for launcher, (node, seen) in list(act.launchers.items()):
+                act.launchers[launcher] = (node, seen + seconds)
 
     async def sweep(self, now: float) -> None:
         """Run the heartbeat rules (lost, hang, straggler) over every job this replica owns."""
@@ -63,6 +65,10 @@ class LivenessMixin(FaultsMixin):
             if now - act.last_beat > 300.0:
                 del self.activity[job_id]
                 continue
+            for launcher, (node, seen) in list(act.launchers.items()):
+                if now - seen > self.cfg.launcher_timeout_s:
+                    del act.launchers[launcher]  # a later beat brings it back
+                    await self._host_lost(job_id, launcher, node, now - seen)
             for m in lost_members(act.members, now, self.cfg):
                 del act.members[m.member_id]  # a later heartbeat brings it back
                 await self._member_silent(job_id, m, now)
@@ -115,6 +121,35 @@ class LivenessMixin(FaultsMixin):
                 "generation": m.generation,
             },
         )
+
+    async def _host_lost(self, job_id: str, launcher: str, node: str, silent_s: float) -> None:
+        """A host launcher went silent: every rank on its host is lost now, one
+        worker_lost each, without waiting for the ranks' own heartbeats to time out."""
+        if await self.jobs.finished(job_id) or await self.jobs.app_error(job_id):
+            return
+        got, cluster = await self.jobs.ranks_and_cluster(job_id)
+        if got is None:
+            return
+        now = time.time()
+        for a in got[1]:
+            if a["node"] != node or await self.jobs.exited(job_id, a["member_id"]):
+                continue
+            await self._worker_lost(
+                job_id,
+                a["member_id"],
+                int(a["rank"]),
+                cluster,
+                node,
+                int(a["gpu"]),
+                now,
+                {
+                    "signal": "launcher_lost",
+                    "launcher": launcher,
+                    "silent_s": round(silent_s, 3),
+                    "timeout_s": self.cfg.launcher_timeout_s,
+                    "generation": got[0],
+                },
+            )
 
     async def _hang(
         self, job_id: str, stalled: list[MemberProgress], job_wide: bool, bound: float, now: float

@@ -40,6 +40,7 @@ class DetectorConfig:
     ecc_corrected_per_min: float = 1000.0
     # Heartbeats.
     heartbeat_timeout_s: float = 5.0
+    launcher_timeout_s: float = 2.0  # a host launcher's silence: the host is lost
     # worker_hang: bound = max(floor, factor x p95 of the job's own step times).
     hang_floor_s: float = 10.0  # above the heartbeat timeout: a stopped rank is lost, not hung
     hang_factor: float = 10.0

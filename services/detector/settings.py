@@ -15,6 +15,10 @@ class DetectorSettings(ServiceSettings):
     # peers' failed collectives; silence catches hangs and lost nodes. 2 s gave false
     # positives on a loaded 2-core machine while ranks formed their groups.
     detector_heartbeat_timeout_s: float = Field(default=5.0, gt=0)
+    # A host launcher beats every 0.5 s; this long silent, its host is lost (or cut off)
+    # and every rank on it with it. Shorter than the members' timeout, above a loaded
+    # machine's scheduling hiccups.
+    detector_launcher_timeout_s: float = Field(default=2.0, gt=0)
     detector_episode_quiet_s: float = Field(default=60.0, gt=0)
     detector_hang_floor_s: float = Field(default=10.0, gt=0)
     detector_hang_factor: float = Field(default=10.0, gt=0)
@@ -31,6 +35,7 @@ class DetectorSettings(ServiceSettings):
         """The rules' thresholds from these settings."""
         return DetectorConfig(
             heartbeat_timeout_s=self.detector_heartbeat_timeout_s,
+            launcher_timeout_s=self.detector_launcher_timeout_s,
             episode_quiet_s=self.detector_episode_quiet_s,
             hang_floor_s=self.detector_hang_floor_s,
             hang_factor=self.detector_hang_factor,

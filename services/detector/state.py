@@ -652,6 +652,8 @@ class JobActivity:
     straggler: StragglerTracker = field(default_factory=StragglerTracker)
     last_straggler_check: float = 0.0
     last_beat: float = 0.0
+    # Host launchers of a job across hosts: launcher id -> (its node, when last heard).
+    launchers: dict[str, tuple[str, float]] = field(default_factory=dict)
 
     def record_step_time(self, rank: int, seconds: float, window: int) -> None:
         """Keep the last ``window`` step times per rank and 10x that for the job."""

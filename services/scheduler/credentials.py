@@ -18,6 +18,7 @@ also expires on its own.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from datetime import UTC, datetime
 from typing import Any
@@ -29,7 +30,6 @@ from torchrelay.auth import (
     CredentialRefused,
     JobCredentialStore,
     answer_authorization,
-    job_user,
     kick_user,
     load_issuer,
 )
@@ -46,6 +46,7 @@ from torchrelay.service import ServiceContext
 ISSUER_ENV = "TORCHRELAY_AUTH_ISSUER_SEED_FILE"
 # The system-account user that may list and close connections (``revoker.cred``).
 REVOKER_ENV = "TORCHRELAY_NATS_REVOKER_CREDENTIALS"
+MULTI_HOST_REVOKE_GRACE_S = 30.0
 
 
 async def _connect_revoker(ctx: ServiceContext) -> Bus | None:
@@ -66,23 +67,38 @@ async def setup_credentials(ctx: ServiceContext) -> None:
     end a revoked job's live connections when the revoker credential is configured."""
     store = JobCredentialStore(ctx.redis, ctx.prefix)
     revoker = await _connect_revoker(ctx)
+    tasks: set[asyncio.Task[None]] = set()
 
-    async def end(job_id: str) -> None:
-        await store.revoke(job_id)
+    async def kick(job_id: str, users: list[str]) -> None:
         if revoker is None:
             return
-        try:
-            kicked = await kick_user(revoker.nc, job_user(job_id), tag=f"job:{job_id}")
-        except Exception as exc:  # the credential is gone anyway: reconnects are refused
-            ctx.log.warning("closing the connections of job %s failed: %r", job_id, exc)
-            return
+        kicked = 0
+        for user in users:
+            try:
+                kicked += await kick_user(revoker.nc, user, tag=f"job:{job_id}")
+            except Exception as exc:  # the credential is gone anyway: reconnects are refused
+                ctx.log.warning("closing the connections of job %s failed: %r", job_id, exc)
+                return
         ctx.log.info("job connections closed", extra={"job_id": job_id, "count": kicked})
+
+    async def end(job_id: str) -> None:
+        await kick(job_id, await store.revoke(job_id))
+
+    async def end_later(job_id: str) -> None:
+        # A job across hosts is finished by the first launcher that sees its last step;
+        # the other hosts' ranks are finishing too and still report: their credentials go
+        # a little later (each launcher revokes its own seat as it ends).
+        await asyncio.sleep(MULTI_HOST_REVOKE_GRACE_S)
+        try:
+            await end(job_id)
+        except Exception as exc:
+            ctx.log.warning("revoking the credentials of %s failed: %r", job_id, exc)
 
     async def job_credentials(body: dict[str, Any]) -> JobCredentials:
         req = JobCredentialsRequest.model_validate(body)
         try:
             user, password, expires_at = await store.mint(
-                req.job_id, req.tenant, req.claim, req.ttl_s
+                req.job_id, req.tenant, req.claim, req.ttl_s, seat=req.seat
             )
         except CredentialRefused as exc:
             ctx.log.warning("job credential refused: %s", exc, extra={"job_id": req.job_id})
@@ -98,10 +114,10 @@ async def setup_credentials(ctx: ServiceContext) -> None:
     async def job_credentials_revoke(body: dict[str, Any]) -> dict[str, Any]:
         req = JobCredentialsRevoke.model_validate(body)
         try:
-            await store.revoke(req.job_id, req.claim)  # checks the claim first
+            users = await store.revoke(req.job_id, req.claim, req.seat)  # claim checked first
         except CredentialRefused as exc:
             raise Conflict(str(exc), "job_id") from exc
-        await end(req.job_id)
+        await kick(req.job_id, users)
         ctx.log.info("job credential revoked", extra={"job_id": req.job_id})
         return {"job_id": req.job_id, "revoked": True}
 
@@ -114,6 +130,10 @@ async def setup_credentials(ctx: ServiceContext) -> None:
         except ValueError:
             return
         try:
+            if len(await store.users(finished.job_id)) > 1:
+                tasks.add(task := asyncio.create_task(end_later(finished.job_id)))
+                task.add_done_callback(tasks.discard)
+                return
             await end(finished.job_id)
         except Exception as exc:  # Redis down: the credential still expires on its own
             ctx.log.warning("revoking the credential of %s failed: %r", finished.job_id, exc)

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from torchrelay.contract import GenerationChanged, JobFinished, JobRegistered, Role
+from torchrelay.generations import member_order
 
 from .rules import RankPlacement
 
@@ -50,6 +51,8 @@ class JobRegistry:
         """Record a job; a redelivered registration keeps what later events added."""
         existing = await self.get(event.job_id)
         if existing is not None:
+            if event.nnodes > 1:
+                return await self._add_host(event)
             return existing
         workers = [m for m in event.members if m.role == Role.WORKER]
         job: dict[str, Any] = {
@@ -90,6 +93,39 @@ class JobRegistry:
                 "policy": event.policy.value,
             },
         )
+        return job
+
+    async def _add_host(self, event: JobRegistered) -> dict[str, Any]:
+        """Another host of a job across hosts registered: its members join the job's, and
+        until generation 1 the planned ranks follow the members' order (``-w<rank>``)."""
+
+        def merge(job: dict[str, Any]) -> bool:
+            known = {m["member_id"] for m in job["members"]}
+            new = [m.model_dump(mode="json") for m in event.members if m.member_id not in known]
+            if not new:
+                return False
+            job["members"] += new
+            if int(job.get("generation", 0)) == 0:
+                workers = sorted(
+                    (m for m in job["members"] if m["role"] == Role.WORKER.value),
+                    key=lambda m: member_order(str(m["member_id"])),
+                )
+                job["ranks"] = [
+                    {
+                        "rank": i,
+                        "member_id": m["member_id"],
+                        "node": m["node"],
+                        "gpu": m["gpu"],
+                        "pid": m.get("pid"),
+                    }
+                    for i, m in enumerate(workers[: int(job["world_size"])])
+                ]
+            return True
+
+        job = await self._modify(event.job_id, merge)
+        if job is None:
+            raise KeyError(event.job_id)
+        await self._index_nodes(event.job_id, event.cluster, job["ranks"])
         return job
 
     async def apply_generation(self, event: GenerationChanged) -> dict[str, Any] | None:

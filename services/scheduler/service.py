@@ -48,6 +48,7 @@ from torchrelay.service import ServiceContext
 
 from . import rules
 from .credentials import setup_credentials
+from .hosts import setup_hosts
 from .incidents import IncidentStore
 from .registry import JobRegistry
 
@@ -480,7 +481,9 @@ class Scheduler:
             beat = json.loads(msg.data)
             job_id, member_id = beat["job_id"], beat["member_id"]
             step, pid = beat["step"], beat.get("pid")
-        except (ValueError, KeyError, TypeError):
+            if str(beat.get("kind", "step")).startswith("launcher"):
+                return  # a host launcher's beat: the detector's business
+        except (ValueError, KeyError, TypeError, AttributeError):
             return
         if not (
             isinstance(job_id, str)
@@ -623,4 +626,5 @@ async def setup(ctx: ServiceContext) -> None:
     for verb in ("job_list", "job_get", "job_timeline", "incident_list", "incident_get", "drain"):
         await ctx.serve(verb, getattr(scheduler, verb))
     await setup_credentials(ctx)  # job-scoped NATS credentials, auth callout (credentials.py)
+    await setup_hosts(ctx)  # the rendezvous of jobs across hosts (hosts.py)
     ctx.readiness["consumer"] = "scheduler"

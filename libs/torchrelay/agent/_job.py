@@ -14,6 +14,7 @@ This module is the public API; the parts it builds on each have a module: ``_mem
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -334,6 +335,9 @@ def init(warm_up: Callable[[], object] | None = None, **kwargs: Any) -> Job:
         if warm_up is not None:
             job._run_warm_up(warm_up)
     job._named_generation()
+    # torchrun's names for code that reads them after init(): a spare learns its rank here.
+    os.environ["RANK"] = str(job.rank)
+    os.environ["WORLD_SIZE"] = str(job.world_size)
     return job
 
 

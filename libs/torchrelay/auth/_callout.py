@@ -92,6 +92,10 @@ async def answer_authorization(request_jwt: bytes | str, issuer: NKey, lookup: L
     return encode_jwt(response, issuer)
 
 
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def _hash(password: str) -> str:
     return hashlib.sha256(password.encode()).hexdigest()
 
@@ -131,43 +135,90 @@ class JobCredentialStore:
                 f"job {job_id} belongs to tenant {record['tenant']!r}, not {tenant!r}"
             )
 
+    def _users_key(self, job_id: str) -> str:
+        return f"{self._prefix}:jobusers:{job_id}"
+
     async def mint(
-        self, job_id: str, tenant: str, claim: str, ttl_s: float = DEFAULT_JOB_TTL_S
+        self,
+        job_id: str,
+        tenant: str,
+        claim: str,
+        ttl_s: float = DEFAULT_JOB_TTL_S,
+        seat: str | None = None,
     ) -> tuple[str, str, float]:
-        """A new credential of ``job_id``: user, password, expiry.
+        """A new credential of ``job_id`` (of one ``seat`` of it): user, password, expiry.
+
+        A job across hosts has one credential per host (``seat``), all bound to the same
+        claim; a one-host job has the one credential of ``job_user(job_id)``.
 
         Raises:
-            CredentialRefused: the job is claimed by another launcher or tenant, or it has
-                a live credential.
+            CredentialRefused: the job is claimed by another launcher or tenant, or the
+                seat has a live credential.
         """
         ttl = max(1, int(ttl_s) + 1)
         claim_record = json.dumps({"tenant": tenant, "hash": _hash(claim)})
         if not await self._redis.set(self._claim_key(job_id), claim_record, ex=ttl, nx=True):
             await self._check_claim(job_id, claim, tenant)
-        user = job_user(job_id)
+        user = job_user(job_id) if seat is None else f"{job_user(job_id)}.{seat}"
         password = secrets.token_urlsafe(32)
         expires_at = time.time() + ttl_s
         record = {"job_id": job_id, "tenant": tenant, "hash": _hash(password), "exp": expires_at}
         if not await self._redis.set(self._key(user), json.dumps(record), ex=ttl, nx=True):
+            where = "" if seat is None else f" for seat {seat}"
             raise CredentialRefused(
-                f"job {job_id} already has a live credential; it is not replaced (it ends "
-                "when the job finishes, is revoked, or expires)"
+                f"job {job_id} already has a live credential{where}; it is not replaced (it "
+                "ends when the job finishes, is revoked, or expires)"
             )
+        if seat is not None:
+            await self._redis.sadd(self._users_key(job_id), user)
+            await self._redis.expire(self._users_key(job_id), ttl)
         return user, password, expires_at
 
-    async def revoke(self, job_id: str, claim: str | None = None) -> bool:
-        """Forget the credential of ``job_id`` and its claim; True if there was one.
+    async def users(self, job_id: str) -> list[str]:
+        """Every NATS user name the job's credentials may have (the one-host one first)."""
+        seats = sorted(_text(u) for u in await self._redis.smembers(self._users_key(job_id)))
+        return [job_user(job_id), *seats]
 
-        ``claim`` None is the scheduler's own revocation (the job finished); otherwise it
-        must be the claim the credential was minted with.
+    async def revoke(
+        self, job_id: str, claim: str | None = None, seat: str | None = None
+    ) -> list[str]:
+        """Forget credentials of ``job_id``; returns the user names whose credential went.
+
+        ``claim`` None is the scheduler's own revocation (the job finished): every seat
+        goes. Otherwise it must be the claim the credential was minted with, and only the
+        ``seat`` named (or the one-host credential) goes; the claim stays while a seat does.
 
         Raises:
             CredentialRefused: ``claim`` is not the job's.
         """
         if claim is not None:
             await self._check_claim(job_id, claim, None)
-        removed = await self._redis.delete(self._key(job_user(job_id)), self._claim_key(job_id))
-        return bool(removed)
+        if claim is None:
+            users = await self.users(job_id)
+            await self._redis.delete(
+                *(self._key(u) for u in users), self._claim_key(job_id), self._users_key(job_id)
+            )
+            return users
+        user = job_user(job_id) if seat is None else f"{job_user(job_id)}.{seat}"
+        removed = await self._redis.delete(self._key(user))
+        if seat is not None:
+            await self._redis.srem(self._users_key(job_id), user)
+        if not await self._redis.scard(self._users_key(job_id)):
+            await self._redis.delete(self._claim_key(job_id))
+        return [user] if removed else []
+
+    async def check_claim(self, job_id: str, claim: str | None) -> None:
+        """Refuse ``claim`` when the job is bound to another one (no claim yet: allowed).
+
+        Raises:
+            CredentialRefused: the job is claimed and ``claim`` is missing or differs.
+        """
+        raw = await self._redis.get(self._claim_key(job_id))
+        if raw is None:
+            return
+        if claim is None:
+            raise CredentialRefused(f"job {job_id} is claimed: its launchers must give its claim")
+        await self._check_claim(job_id, claim, None)
 
     async def check(self, user: str, password: str) -> JobGrant | None:
         """The grant of a live credential matching ``user``/``password``, else None."""

@@ -35,6 +35,8 @@ from torchrelay.contract._messages import (
     GenerationChanged,
     Guarantee,
     Heartbeat,
+    HostJoin,
+    HostJoined,
     Incident,
     IncidentClosed,
     IncidentOpened,
@@ -120,6 +122,8 @@ _OTHER_MODELS: tuple[type[Message], ...] = (
     Guarantee,
     RpcError,
     RpcReply,
+    HostJoin,
+    HostJoined,
 )
 MODELS: dict[str, type[Message]] = {m.__name__: m for m in (*EVENT_SUBJECTS, *_OTHER_MODELS)}
 
@@ -173,6 +177,8 @@ __all__ = [
     "GenerationChanged",
     "Guarantee",
     "Heartbeat",
+    "HostJoin",
+    "HostJoined",
     "Incident",
     "IncidentClosed",
     "IncidentOpened",

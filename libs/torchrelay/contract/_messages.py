@@ -107,7 +107,9 @@ class Heartbeat(Event):
     generation: int = Field(ge=0)
     step: int = Field(ge=-1)  # committed step; -1 before the first commit
     step_time_s: float | None = Field(default=None, ge=0)
-    kind: Literal["step", "liveness"] = "step"
+    # ``launcher``: a host launcher's beat (member_id is the launcher's id, node its host);
+    # ``launcher_stopped``: it ended cleanly, so its silence is no host loss.
+    kind: Literal["step", "liveness", "launcher", "launcher_stopped"] = "step"
     node: Name
     gpu: int = Field(ge=0)
     pid: int = Field(ge=0)
@@ -200,6 +202,38 @@ class JobRegistered(Event):
     allow_shrink: bool = False
     launcher_id: Token
     members: list[Member] = Field(default_factory=list)
+    # A job across hosts registers once per host: this host's members, the whole world size.
+    nnodes: int = Field(default=1, ge=1, le=100_000)
+    node_rank: int | None = Field(default=None, ge=0)
+
+
+class HostJoin(Message):
+    """A host's launcher joins its job's rendezvous (``tr.rpc.scheduler.join_host``).
+
+    ``node_rank`` None asks the scheduler for the lowest free one. ``instance`` is unique
+    per launcher process, so a retried join gets the same answer and a second launcher on
+    the same host is refused.
+    """
+
+    job_id: Token
+    tenant: Token
+    node: Name
+    nnodes: int = Field(ge=1, le=100_000)
+    nproc_per_node: int = Field(ge=1, le=1024)
+    node_rank: int | None = Field(default=None, ge=0)
+    instance: Token
+    claim: str | None = Field(default=None, min_length=16, max_length=256)
+
+
+class HostJoined(Message):
+    """The scheduler's answer to :class:`HostJoin`: this host's place in the job."""
+
+    job_id: Token
+    node_rank: int = Field(ge=0)
+    nnodes: int = Field(ge=1)
+    nproc_per_node: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    hosts: dict[str, str] = Field(default_factory=dict)  # node rank (as text) -> node name
 
 
 class JobFinished(Event):
@@ -271,6 +305,9 @@ class JobCredentialsRequest(Message):
     # A secret of the launcher's own: the job is bound to it, so only the same launcher may
     # mint or revoke the job's credential (the scheduler keeps it hashed).
     claim: str = Field(min_length=16, max_length=256)
+    # The host's seat in a job across hosts (e.g. ``h0``, ``spare-node7``): one credential
+    # per seat, all bound to the same claim. None: the one credential of a one-host job.
+    seat: Token | None = None
     ttl_s: float = Field(default=30 * 24 * 3600.0, gt=0, le=365 * 24 * 3600.0)
 
 
@@ -279,6 +316,7 @@ class JobCredentialsRevoke(Message):
 
     job_id: Token
     claim: str = Field(min_length=16, max_length=256)
+    seat: Token | None = None
 
 
 class JobCredentials(Message):

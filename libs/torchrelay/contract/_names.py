@@ -230,6 +230,8 @@ RPC_VERBS: dict[str, tuple[str, ...]] = {
         # Job-scoped NATS credentials (issue #12): the launcher's role only.
         "job_credentials",
         "job_credentials_revoke",
+        # The rendezvous of a job across hosts: one launcher per host joins.
+        "join_host",
     ),
     "spare_pool": (
         "register",

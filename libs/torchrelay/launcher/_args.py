@@ -8,15 +8,18 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import uuid
 from pathlib import Path
 
 from torchrelay.contract import JobPolicy
+from torchrelay.launcher._hosts import advertise_address, parse_gpus
 from torchrelay.launcher._launcher import Launcher
 from torchrelay.launcher._setup import (
     EXIT_USAGE,
+    HostPlan,
     LauncherError,
     Options,
     resolve_credentials,
@@ -25,6 +28,61 @@ from torchrelay.launcher._setup import (
 )
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]{1,100}$")
+_NAME = re.compile(r"^[A-Za-z0-9_\-.:]{1,128}$")
+
+
+def host_plan(args: argparse.Namespace, job_id: str) -> HostPlan | None:
+    """This host's part of a job across hosts, or None for the one-host shortcut.
+
+    Raises:
+        LauncherError: the flags of the two modes are mixed, or one is out of range.
+    """
+    nnodes = getattr(args, "nnodes", None)
+    per_node = getattr(args, "nproc_per_node", None)
+    spare = bool(getattr(args, "spare", False))
+    if nnodes is None and per_node is None and not spare:
+        for flag in ("node_rank", "node_name", "gpus"):
+            if getattr(args, flag, None) is not None:
+                raise LauncherError(
+                    f"--{flag.replace('_', '-')} belongs to a job across hosts: give "
+                    "--nnodes and --nproc-per-node too"
+                )
+        return None
+    if getattr(args, "nproc", None) is not None or getattr(args, "nodes", 1) != 1:
+        raise LauncherError(
+            "--nproc/--nodes are the one-host shortcut; across hosts give --nnodes and "
+            "--nproc-per-node (and --spare on a spare host)"
+        )
+    if not getattr(args, "job_id", None):
+        raise LauncherError("a job across hosts needs --job-id: the same on every host")
+    if per_node is None or per_node < 1:
+        raise LauncherError("--nproc-per-node must be given and at least 1")
+    if spare and (nnodes is not None or getattr(args, "node_rank", None) is not None):
+        raise LauncherError("a spare host (--spare) takes no --nnodes or --node-rank")
+    if not spare and (nnodes is None or nnodes < 1):
+        raise LauncherError("--nnodes must be given and at least 1")
+    node_rank = getattr(args, "node_rank", None)
+    if node_rank is not None and not 0 <= node_rank < (nnodes or 1):
+        raise LauncherError(f"--node-rank {node_rank} must be in 0..{(nnodes or 1) - 1}")
+    node = getattr(args, "node_name", None) or socket.gethostname()
+    if not _NAME.match(node):
+        raise LauncherError(f"--node-name {node!r}: use letters, digits, '_', '-', '.', ':'")
+    local_spares = 0 if spare else max(0, int(getattr(args, "spares", 0) or 0))
+    claim = os.environ.get("TORCHRELAY_JOB_CLAIM") or None
+    if claim is not None and not 16 <= len(claim) <= 256:
+        raise LauncherError("TORCHRELAY_JOB_CLAIM must be 16 to 256 characters")
+    nats = resolve_nats_url()
+    return HostPlan(
+        node=node,
+        nproc_per_node=per_node,
+        gpus=parse_gpus(getattr(args, "gpus", None), per_node + local_spares),
+        nnodes=nnodes or 1,
+        node_rank=node_rank,
+        spare_host=spare,
+        simulate_gpus=bool(getattr(args, "simulate_gpus", False)),
+        claim=claim,
+        advertise_host=os.environ.get("TORCHRELAY_ADVERTISE_HOST") or advertise_address(nats),
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
@@ -38,9 +96,18 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise LauncherError(f"--job-id {job_id!r}: use letters, digits, '_' and '-' only")
     if not _TOKEN.match(args.tenant):
         raise LauncherError(f"--tenant {args.tenant!r}: use letters, digits, '_' and '-' only")
-    if args.nproc < 1:
+    host = host_plan(args, job_id)
+    nproc, spares = args.nproc, args.spares
+    if host is not None:
+        nproc = 0 if host.spare_host else host.nproc_per_node
+        spares = host.nproc_per_node if host.spare_host else args.spares
+    elif nproc is None:
+        raise LauncherError(
+            "give --nproc N (one host) or --nnodes N --nproc-per-node P (one launcher per host)"
+        )
+    if host is None and nproc < 1:
         raise LauncherError("--nproc must be at least 1")
-    if args.spares < 0 or args.nodes < 1:
+    if spares < 0 or args.nodes < 1:
         raise LauncherError("--spares must be >= 0 and --nodes >= 1")
     verify_every = getattr(args, "verify_every", None)
     if verify_every is not None and verify_every < 0:
@@ -69,8 +136,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     return Options(
-        nproc=args.nproc,
-        spares=args.spares,
+        nproc=nproc,
+        spares=spares,
         job_id=job_id,
         tenant=args.tenant,
         nodes=args.nodes,
@@ -81,17 +148,20 @@ def options_from_args(args: argparse.Namespace) -> Options:
         script_args=script_args,
         nats_url=resolve_nats_url(),
         cluster=cluster,
+        # One folder per host: hosts may share a file system (or, in tests, a machine).
         run_dir=(
             (home / "runs" / job_id).resolve()
             if run_as is None
             else Path(tempfile.gettempdir()) / "torchrelay-runs" / job_id
-        ),
+        )
+        / (host.token if host is not None else ""),
         run_as=run_as,
         python=python,
         module=module,
         credentials=resolve_credentials("launcher"),
         node_agents=not getattr(args, "no_node_agents", False),
         extra_env={} if verify_every is None else {"TORCHRELAY_VERIFY_EVERY": str(verify_every)},
+        host=host,
         node_agent_credentials=os.environ.get("TORCHRELAY_NODE_AGENT_CREDENTIALS")
         or resolve_credentials(
             "node_agent",
@@ -107,9 +177,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except LauncherError as exc:
         print(f"torchrelay run: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    where = f"on {opts.nodes} node(s)" if opts.host is None else f"on host {opts.host.node}"
     print(
         f"torchrelay run: job {opts.job_id}: {opts.nproc} workers, {opts.spares} spares "
-        f"on {opts.nodes} node(s); run dir {opts.run_dir}",
+        f"{where}; run dir {opts.run_dir}",
         file=sys.stderr,
         flush=True,
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import secrets
@@ -23,6 +22,7 @@ from torchrelay.contract import (
     AgentReport,
     FenceOrder,
     Generation,
+    HostJoined,
     JobCredentials,
     JobCredentialsRequest,
     JobCredentialsRevoke,
@@ -40,6 +40,16 @@ from torchrelay.contract import (
     make_event_id,
 )
 from torchrelay.deathlatch import DeathLatch
+from torchrelay.launcher._agents import start_node_agents, stop_node_agents
+from torchrelay.launcher._hosts import (
+    NOT_MINE,
+    beat,
+    gpu_model,
+    host_verdict,
+    job_end,
+    join_host,
+    stopped,
+)
 from torchrelay.launcher._setup import (
     EXIT_USAGE,
     GIVE_UP_MARGIN_S,
@@ -76,8 +86,19 @@ class Launcher:
         self._node_agents: list[asyncio.subprocess.Process] = []
         # The job-scoped credential the children connect with (None on an open server).
         self.job_credentials: Path | None = None
-        # Binds the job's credential to this launcher: only it may mint or revoke it.
-        self._claim = secrets.token_urlsafe(32)
+        # Binds the job's credential to this launcher: only it may mint or revoke it. The
+        # launchers of a job across hosts share the job's claim (TORCHRELAY_JOB_CLAIM).
+        host = opts.host
+        self._claim = host.claim if host is not None and host.claim else secrets.token_urlsafe(32)
+        self._joined: HostJoined | None = None  # this host's place in a job across hosts
+        self._ended: str | None = None  # the job's end as the control plane recorded it
+        self._world_size = opts.nproc
+        self._beat: asyncio.Task[None] | None = None
+
+    def _mine(self, node: str) -> bool:
+        """Whether work for ``node`` is this launcher's: every (simulated) node on one host,
+        only its own host in a job across hosts."""
+        return self.opts.host is None or node == self.opts.host.node
 
     @property
     def bus(self) -> Bus:
@@ -102,8 +123,18 @@ class Launcher:
                 "TORCHRELAY_CLUSTER": self.opts.cluster,
                 "TORCHRELAY_RUN_DIR": str(self.opts.run_dir),
                 "NATS_URL": self.opts.nats_url,
+                # torchrun's names; a spare's RANK is set by torchrelay.init() once it has one.
+                "LOCAL_RANK": str(child.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.opts.nproc),
+                "WORLD_SIZE": str(self._world_size),
             }
         )
+        env.pop("RANK", None)
+        if child.rank is not None:
+            env["RANK"] = str(child.rank)
+        host = self.opts.host
+        if host is not None and host.advertise_host and "TORCHRELAY_ADVERTISE_HOST" not in env:
+            env["TORCHRELAY_ADVERTISE_HOST"] = host.advertise_host
         if self.job_credentials is not None:
             env["TORCHRELAY_NATS_CREDENTIALS"] = str(self.job_credentials)
         else:
@@ -124,7 +155,9 @@ class Launcher:
             try:
                 got = await self.bus.request(
                     Subjects.rpc("scheduler", "job_credentials"),
-                    JobCredentialsRequest(job_id=o.job_id, tenant=o.tenant, claim=self._claim),
+                    JobCredentialsRequest(
+                        job_id=o.job_id, tenant=o.tenant, claim=self._claim, seat=self._seat()
+                    ),
                     timeout=10.0,
                 )
                 break
@@ -150,7 +183,7 @@ class Launcher:
         with contextlib.suppress(BusError):
             await self.bus.request(
                 Subjects.rpc("scheduler", "job_credentials_revoke"),
-                JobCredentialsRevoke(job_id=self.opts.job_id, claim=self._claim),
+                JobCredentialsRevoke(job_id=self.opts.job_id, claim=self._claim, seat=self._seat()),
                 timeout=5.0,
             )
         with contextlib.suppress(OSError):
@@ -201,75 +234,44 @@ class Launcher:
         child.lost_at = time.monotonic()
         self._tasks.append(asyncio.create_task(self._report_exit(child, code, "lost", record)))
 
-    def _new_spare(self, node: str, gpu: int) -> Child:
-        child = Child(f"{self.opts.job_id}-s{self._next_spare}", Role.SPARE, node, gpu)
+    def _seat(self) -> str | None:
+        return None if self.opts.host is None else self.opts.host.seat()
+
+    def _new_spare(self, node: str, gpu: int, local_rank: int = 0) -> Child:
+        # Spares of a job across hosts carry their host's name: unique across launchers.
+        host = self.opts.host
+        prefix = self.opts.job_id if host is None else f"{self.opts.job_id}-{host.token}"
+        child = Child(f"{prefix}-s{self._next_spare}", Role.SPARE, node, gpu, local_rank=local_rank)
         self._next_spare += 1
         return child
 
     async def _start_node_agents(self) -> None:
-        """One detector node agent per simulated node, simulator backend (docs/interfaces.md).
-
-        They make ``torchrelay chaos xid|ecc|...`` reach the job's slots. Skipped, with a
-        note, where the detector service's code is not installed.
-        """
-        o = self.opts
-        if not o.node_agents:
-            return
-        if importlib.util.find_spec("services.detector") is None:
-            print(
-                "torchrelay run: note: services.detector is not installed; no simulated "
-                "node agents (chaos xid/ecc/... will find no node)",
-                file=sys.stderr,
-            )
-            return
-        total = o.nproc + o.spares
-        gpus = max(8, -(-total // o.nodes) + 2)  # room for cold spares spawned later
-        env = {**os.environ, "NATS_URL": o.nats_url, "TORCHRELAY_CLUSTER": o.cluster}
-        if o.node_agent_credentials:
-            env["TORCHRELAY_NATS_CREDENTIALS"] = o.node_agent_credentials
-        else:
-            env.pop("TORCHRELAY_NATS_CREDENTIALS", None)
-        for k in range(o.nodes):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "services.detector",
-                "agent",
-                "--node",
-                f"{o.cluster}-{k}",
-                "--cluster",
-                o.cluster,
-                "--backend",
-                "sim",
-                "--gpus",
-                str(gpus),
-                env=env,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
-            self._node_agents.append(proc)
+        self._node_agents = await start_node_agents(self.opts)
 
     async def _stop_node_agents(self) -> None:
-        for proc in self._node_agents:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-        for proc in self._node_agents:
-            try:
-                await asyncio.wait_for(proc.wait(), 5.0)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await stop_node_agents(self._node_agents)
 
     async def _spawn_all(self) -> None:
         o = self.opts
+        if o.host is not None:
+            base = 0 if self._joined is None else self._joined.node_rank * o.nproc
+            for i in range(o.nproc):
+                member = f"{o.job_id}-w{base + i}"
+                gpu = o.host.gpus[i]
+                await self._spawn(
+                    Child(member, Role.WORKER, o.host.node, gpu, local_rank=i, rank=base + i)
+                )
+            for j in range(o.spares):
+                k = o.nproc + j
+                await self._spawn(self._new_spare(o.host.node, o.host.gpus[k], local_rank=k))
+            return
         for i in range(o.nproc):
             node, gpu = slot_of(i, o.nodes, o.cluster)
-            await self._spawn(Child(f"{o.job_id}-w{i}", Role.WORKER, node, gpu))
+            member = f"{o.job_id}-w{i}"
+            await self._spawn(Child(member, Role.WORKER, node, gpu, local_rank=i, rank=i))
         for j in range(o.spares):
             node, gpu = slot_of(o.nproc + j, o.nodes, o.cluster)
-            await self._spawn(self._new_spare(node, gpu))
+            await self._spawn(self._new_spare(node, gpu, local_rank=o.nproc + j))
 
     # ----------------------------------------------------------------- exits
 
@@ -369,13 +371,25 @@ class Launcher:
 
     async def _register(self) -> None:
         o = self.opts
+        if o.host is not None and o.host.spare_host:
+            # A spare host brings hot spares to a job its worker hosts registered.
+            for child in self.children.values():
+                self._tasks.append(asyncio.create_task(self._register_spare(child)))
+            return
+        joined = self._joined
         event = JobRegistered(
-            event_id=make_event_id("job", o.job_id),
+            event_id=(
+                make_event_id("job", o.job_id)
+                if joined is None
+                else make_event_id("job", o.job_id, "host", joined.node_rank)
+            ),
             source=self.launcher_id,
             job_id=o.job_id,
             tenant=o.tenant,
             cluster=o.cluster,
-            world_size=o.nproc,
+            world_size=self._world_size,
+            nnodes=1 if joined is None else joined.nnodes,
+            node_rank=None if joined is None else joined.node_rank,
             spares=o.spares,
             policy=o.policy,
             wait_timeout_s=o.wait_timeout_s,
@@ -402,7 +416,11 @@ class Launcher:
             state=SpareState.HOT,
             job_id=self.opts.job_id,
             member_id=child.member_id,
-            gpu_model="cpu-sim",
+            gpu_model=(
+                "cpu-sim"
+                if self.opts.host is None
+                else gpu_model(child.gpu, self.opts.host.simulate_gpus)
+            ),
         )
         problem = await register_hot_spare(self.bus, slot)
         if problem is not None:
@@ -418,7 +436,10 @@ class Launcher:
                 body = json.loads(msg.data or b"{}")
                 if not isinstance(body, dict):
                     raise LauncherError("request body must be a JSON object")
-                reply = RpcReply(ok=True, result=await handler(body))
+                result = await handler(body)
+                if result is NOT_MINE:
+                    return  # another host's launcher answers (every one of the job listens)
+                reply = RpcReply(ok=True, result=result)
             except ValidationError as exc:
                 text, fld = validation_message(exc)
                 reply = RpcReply(ok=False, error=RpcError(code="invalid", message=text, field=fld))
@@ -434,9 +455,11 @@ class Launcher:
 
         self._subs.append(await self.bus.nc.subscribe(subject, cb=_on))
 
-    async def _on_fence(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _on_fence(self, body: dict[str, Any]) -> Any:
         order = FenceOrder.model_validate(body)
         child = self.children.get(order.member_id)
+        if child is None and self.opts.host is not None:
+            return NOT_MINE
         if child is None:
             raise KeyError(f"{order.member_id} is not a member of job {self.opts.job_id}")
         killed = False
@@ -447,16 +470,18 @@ class Launcher:
                 killed = True
         return {"member_id": child.member_id, "killed": killed, "exit_code": child.exit_code}
 
-    async def _on_spawn_spare(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _on_spawn_spare(self, body: dict[str, Any]) -> Any:
         node, gpu = body.get("node"), body.get("gpu")
         if not isinstance(node, str) or not isinstance(gpu, int):
             raise LauncherError('spawn_spare needs {"node": str, "gpu": int}')
-        child = self._new_spare(node, gpu)
+        if not self._mine(node):
+            return NOT_MINE
+        child = self._new_spare(node, gpu, local_rank=len(self.children))
         await self._spawn(child)
         self._changed.set()
         return {"member_id": child.member_id, "pid": child.pid, "slot_id": body.get("slot_id")}
 
-    async def _on_pid(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _on_pid(self, body: dict[str, Any]) -> Any:
         member_id = body.get("member_id")
         current = await self._generation()
         if member_id is None:
@@ -469,6 +494,8 @@ class Launcher:
             if member_id is None:
                 raise KeyError(f"job {self.opts.job_id} has no rank {rank}")
         child = self.children.get(str(member_id))
+        if child is None and self.opts.host is not None:
+            return NOT_MINE
         if child is None:
             raise KeyError(f"{member_id} is not a member of job {self.opts.job_id}")
         return {
@@ -517,6 +544,15 @@ class Launcher:
 
     def _verdict(self, current: Generation | None) -> tuple[Outcome, str] | None:
         """``(outcome, summary)`` once the job is over, else None."""
+        if self.opts.host is not None:
+            return host_verdict(
+                list(self.children.values()),
+                current,
+                self._ended,
+                self._gave_up,
+                self.opts.wait_timeout_s + GIVE_UP_MARGIN_S,
+                self.opts.run_dir,
+            )
         kids = self.children.values()
         app = [c for c in kids if c.outcome == "application_error"]
         if app:
@@ -560,6 +596,8 @@ class Launcher:
             self._changed.clear()
             if self._interrupted is not None:
                 return "cancelled", f"stopped by {signal.Signals(self._interrupted).name}"
+            if self.opts.host is not None and self._ended is None:
+                self._ended = await job_end(self.bus, self.opts.job_id)
             verdict = self._verdict(await self._generation())
             if verdict is not None:
                 return verdict
@@ -584,6 +622,11 @@ class Launcher:
             loop.add_signal_handler(signum, self._on_signal, signum)
         try:
             await self._ensure_streams()
+            try:
+                await self._join()
+            except LauncherError as exc:
+                print(f"torchrelay run: {exc}", file=sys.stderr)
+                return EXIT_USAGE
             try:
                 await self._obtain_job_credentials()
             except BusError as exc:
@@ -618,6 +661,10 @@ class Launcher:
                 )
             )
             await self._register()
+            if o.host is not None:
+                self._beat = asyncio.create_task(
+                    beat(self.bus, o.job_id, self.launcher_id, o.host.node, o.cluster)
+                )
             outcome, summary = await self._supervise()
             if outcome != "succeeded" or any(c.alive for c in self.children.values()):
                 await self._stop_all(
@@ -654,6 +701,30 @@ class Launcher:
         )
         self._changed.set()
 
+    async def _join(self) -> None:
+        """A worker host joins its job's rendezvous: its node rank, the world size."""
+        host = self.opts.host
+        if host is None:
+            return
+        if host.spare_host:
+            self.launcher_id = f"{self.opts.job_id}-launcher-{host.token}"
+            return
+        if self.opts.credentials and not host.claim:
+            raise LauncherError(
+                "a job across hosts needs its claim on every host: set TORCHRELAY_JOB_CLAIM "
+                "to the same secret (16+ characters) for each of the job's launchers"
+            )
+        self._joined = await join_host(self.bus, self.opts.job_id, self.opts.tenant, host)
+        host.node_rank = self._joined.node_rank
+        self._world_size = self._joined.world_size
+        self.launcher_id = f"{self.opts.job_id}-launcher-h{host.node_rank}"
+        print(
+            f"torchrelay run: host {host.node} is node {host.node_rank} of "
+            f"{self._joined.nnodes} (world size {self._world_size})",
+            file=sys.stderr,
+            flush=True,
+        )
+
     async def _ensure_streams(self) -> None:
         await self.bus.ensure_provisioned()
         await self.bus.generations()
@@ -672,6 +743,13 @@ class Launcher:
         )
         with contextlib.suppress(BusError):
             await self.bus.publish(event, Subjects.JOB_FINISHED, retry_for=5.0)
+        if self._beat is not None:
+            self._beat.cancel()
+        if self.opts.host is not None:
+            host = self.opts.host
+            await stopped(
+                self.bus, self.opts.job_id, self.launcher_id, host.node, self.opts.cluster
+            )
         await self._revoke_job_credentials()
         lines = [
             f"torchrelay run: job {self.opts.job_id} {outcome}: {summary}",

@@ -7,10 +7,12 @@ import asyncio
 import json
 import os
 import pwd
+import re
 import signal
 import stat
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,7 @@ GIVE_UP_MARGIN_S = 30.0  # protocol §11: a lost rank not replaced in wait_timeo
 STOP_GRACE_S = 10.0
 REGISTER_CONFLICT_RETRY_S = 30.0  # how long a spare's slot may still be another job's
 REGISTER_CONFLICT_PAUSE_S = 0.5
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
 
 
 # Environment every worker and spare gets unless the user set the variable (to anything).
@@ -245,6 +248,8 @@ class Child:
     lost_at: float | None = None
     latch: DeathLatch | None = None
     reported_lost: bool = False  # its loss was reported while it was still dying
+    local_rank: int = 0  # its slot's place on this host (torchrun's LOCAL_RANK)
+    rank: int | None = None  # the rank it starts with (None: a spare, until it takes one)
 
     @property
     def pid(self) -> int | None:
@@ -253,6 +258,37 @@ class Child:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.exit_code is None
+
+
+@dataclass
+class HostPlan:
+    """What ``--nnodes/--node-rank/--nproc-per-node`` (or ``--spare``) asked of this host."""
+
+    node: str  # the host's name: the node the detector's node agent reports
+    nproc_per_node: int
+    gpus: list[int]  # the device of each slot on this host, workers first, then spares
+    nnodes: int = 1
+    node_rank: int | None = None  # None: the rendezvous gives the lowest free one
+    spare_host: bool = False
+    simulate_gpus: bool = False
+    claim: str | None = None  # shared by every launcher of the job (TORCHRELAY_JOB_CLAIM)
+    advertise_host: str | None = None  # where this host's ranks are reached by the others
+    instance: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.instance:
+            self.instance = uuid.uuid4().hex[:16]
+
+    @property
+    def token(self) -> str:
+        """The host's name as it may appear in member ids and credential seats."""
+        return _UNSAFE.sub("-", self.node)[:48] or "host"
+
+    def seat(self) -> str:
+        """This host's credential seat: ``h<node rank>``, or ``spare-<host>``."""
+        if self.spare_host or self.node_rank is None:
+            return f"spare-{self.token}"
+        return f"h{self.node_rank}"
 
 
 @dataclass
@@ -282,3 +318,6 @@ class Options:
     python: str = sys.executable
     # -m: ``script`` is a module name, run as ``python -m script`` (torchrun's -m).
     module: bool = False
+    # One host of a job across hosts (--nnodes/--node-rank/--nproc-per-node, or --spare);
+    # None: the one-host shortcut (--nproc/--spares/--nodes on simulated slots).
+    host: HostPlan | None = None
