@@ -1,4 +1,4 @@
-"""The bus: JetStream events, core-NATS streams, request/reply and the generations KV.
+"""The bus: JetStream events, core-NATS streams and request/reply.
 
 Every service talks to every other through this module. It owns the reliability rules of
 docs/design.md §2: deterministic ``Nats-Msg-Id`` on publish, explicit durable consumers, ack only
@@ -7,7 +7,8 @@ for poison messages, dedupe by ``event_id``, deadlines on requests, compare-and-
 
 Its neighbours: the errors in :mod:`torchrelay.errors`, the dedupers in
 :mod:`torchrelay.dedupe`, TLS in :mod:`torchrelay.tls`, provisioning in
-:mod:`torchrelay.provisioning` (all re-exported here under their old names).
+:mod:`torchrelay.provisioning`, the generations bucket's reads and writes in
+:mod:`torchrelay.generation_kv` (the errors and dedupers re-exported here under their old names).
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ from pydantic import BaseModel, ValidationError
 from torchrelay.auth import REVOKER, ROLES, role_inbox
 from torchrelay.contract import (
     CONSUMERS,
-    GENERATIONS_BUCKET,
     ConsumerSpec,
     DeadLetter,
     Event,
-    Generation,
     Message,
     RpcError,
     RpcReply,
@@ -64,8 +63,8 @@ from torchrelay.errors import (
     TransientError,
     validation_message,
 )
+from torchrelay.generation_kv import GenerationStore
 from torchrelay.observability import ServiceMetrics, context_from_headers, inject_headers, tracer
-from torchrelay.provisioning import JetStreamProvisioning
 from torchrelay.tls import TlsFiles
 
 log = logging.getLogger("torchrelay.bus")
@@ -113,7 +112,7 @@ def _headers(msg: Msg) -> dict[str, str]:
     return dict(msg.headers or {})
 
 
-class Bus(JetStreamProvisioning):
+class Bus(GenerationStore):
     """A connection to NATS for one process (``service`` names it in logs and dead letters)."""
 
     def __init__(self, nc: NatsClient, service: str, metrics: ServiceMetrics | None = None) -> None:
@@ -693,62 +692,6 @@ class Bus(JetStreamProvisioning):
         sub = await self.nc.subscribe(subject, queue=f"rpc-{service}", cb=_on_request)
         self._subs.append(sub)
         return sub
-
-    # ----------------------------------------------------------------- generations KV
-
-    async def get_generation(self, job_id: str) -> tuple[Generation, int] | None:
-        """The job's current generation and its KV revision, or None if it has none."""
-        if self.job_id is not None:
-            return await self.get_generation_direct(job_id)
-        kv = await self.generations()
-        try:
-            entry = await kv.get(job_id)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        if entry.value is None:
-            return None
-        return Generation.model_validate_json(entry.value), int(entry.revision or 0)
-
-    async def get_generation_direct(
-        self, job_id: str, timeout: float = 5.0
-    ) -> tuple[Generation, int] | None:
-        """The job's generation through the bucket's direct get of its key's last value
-        (what a job-scoped credential may do; the bucket allows direct gets)."""
-        subject = f"$JS.API.DIRECT.GET.KV_{GENERATIONS_BUCKET}.$KV.{GENERATIONS_BUCKET}.{job_id}"
-        try:
-            msg = await self.nc.request(subject, b"", timeout=timeout)
-        except nats.errors.NoRespondersError as exc:
-            raise BusError(f"no direct get on {subject}: the bucket lacks allow_direct") from exc
-        headers = msg.headers or {}
-        status = headers.get("Status")
-        if status == "404" or headers.get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
-            return None
-        if status:
-            raise BusError(f"direct get of {subject}: {status} {headers.get('Description', '')}")
-        revision = int(headers.get("Nats-Sequence", "0") or 0)
-        return Generation.model_validate_json(msg.data), revision
-
-    async def put_generation(self, generation: Generation, expected_revision: int | None) -> int:
-        """Write a generation with compare-and-set; ``None`` means the key must not exist.
-
-        Raises:
-            StaleRevision: the key changed since ``expected_revision`` was read.
-        """
-        kv = await self.generations()
-        data = generation.model_dump_json().encode()
-        try:
-            if expected_revision is None:
-                return int(await kv.create(generation.job_id, data))
-            return int(await kv.update(generation.job_id, data, last=expected_revision))
-        except (
-            nats.js.errors.KeyWrongLastSequenceError,
-            nats.js.errors.BadRequestError,
-            nats.js.errors.APIError,
-        ) as exc:
-            raise StaleRevision(
-                f"generation of job {generation.job_id} changed since revision "
-                f"{expected_revision}: {exc}"
-            ) from exc
 
 
 def _jsonable(value: Any) -> Any:
