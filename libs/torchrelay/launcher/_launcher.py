@@ -224,7 +224,7 @@ class Launcher:
     def _dying(self, child: Child, code: int) -> None:
         """The child's latch says it is dying with ``code``: a lost worker is reported now,
         not once the kernel has torn it down (``deathlatch``); ``_reap`` does the rest."""
-        if child.exit_code is not None or child.stopping or child.reported_lost:
+        if child.exit_code is not None or child.stopping or child.fenced or child.reported_lost:
             return
         record = self._exit_record(child.member_id)
         if classify_exit(code, record) != "lost":
@@ -308,6 +308,8 @@ class Launcher:
         child.outcome = classify_exit(code, record)
         if child.stopping and child.outcome == "lost":
             child.outcome = "stopped"  # by the launcher itself (end of job, Ctrl-C)
+        if child.fenced and child.outcome in ("lost", "stopped"):
+            child.outcome = "fenced"  # killed on a fence order, or stopped after losing its rank
         if child.outcome == "lost" and child.lost_at is None:
             child.lost_at = time.monotonic()
         if not child.stopping:
@@ -464,6 +466,7 @@ class Launcher:
             raise KeyError(f"{order.member_id} is not a member of job {self.opts.job_id}")
         killed = False
         if child.alive and child.proc is not None:
+            child.fenced = True
             with contextlib.suppress(ProcessLookupError):
                 child.proc.send_signal(signal.SIGCONT)  # a stopped process must die too
                 child.proc.kill()
@@ -526,8 +529,17 @@ class Launcher:
 
     async def _stop_all(self, grace_s: float = STOP_GRACE_S, sig: int = signal.SIGTERM) -> None:
         alive = [c for c in self.children.values() if c.alive and c.proc is not None]
+        current = self._last_gen
         for child in alive:
             child.stopping = True
+            # A worker the newest generation no longer names (its host was cut off while
+            # another took its rank) ends fenced, whoever stops it.
+            if (
+                child.rank is not None
+                and current is not None
+                and current.member_rank(child.member_id) is None
+            ):
+                child.fenced = True
             with contextlib.suppress(ProcessLookupError):
                 assert child.proc is not None
                 child.proc.send_signal(signal.SIGCONT)

@@ -49,10 +49,12 @@ PROCESS_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 # What the stack's own processes are told and a training process is not: where the stack's
-# state and secrets are, tokens, Redis, and credentials other than the job's own.
+# state and secrets are, tokens, Redis, and credentials other than the job's own (the job's
+# claim too: with it a process could mint the job's credentials).
 STACK_ONLY_ENV = frozenset(
     {
         "TORCHRELAY_HOME",
+        "TORCHRELAY_JOB_CLAIM",
         "TORCHRELAY_AUTH_DIR",
         "TORCHRELAY_AUTH_ISSUER_SEED_FILE",
         "TORCHRELAY_NATS_REVOKER_CREDENTIALS",
@@ -245,6 +247,7 @@ class Child:
     exit_code: int | None = None
     outcome: str | None = None
     stopping: bool = False  # the launcher itself is stopping it: not a failure
+    fenced: bool = False  # killed on the control plane's fence order: another holds its rank
     lost_at: float | None = None
     latch: DeathLatch | None = None
     reported_lost: bool = False  # its loss was reported while it was still dying

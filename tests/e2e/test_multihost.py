@@ -1,0 +1,156 @@
+"""A job across hosts, on one machine the way it runs on many: one network namespace per
+host, one ``torchrelay run`` launcher in each, the control plane reached over a bridge.
+
+Three worker hosts of two ranks and one spare host of two hot spares. Each faulty run ends
+bitwise equal to the fault-free run of the same layout: a SIGKILLed rank, a whole worker
+host killed (its launcher and node agent included), and a worker host cut off the network
+for 30 s (its processes must find themselves fenced and exit when it comes back).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.harness import Stack, digests, wait_until
+from tests.helpers import netns
+from tests.helpers.multihost import (
+    PER_HOST,
+    SPARE_HOST,
+    WORKER_HOSTS,
+    Cluster,
+    Job,
+    closed,
+    cluster_at,
+    committed,
+    incidents,
+    start_job,
+    wait_launchers,
+)
+from torchrelay.contract import EXIT_FENCED
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+    with cluster_at(tmp_path_factory.mktemp("multihost")) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> dict[int, str]:
+    job = start_job(cluster, "mh-reference", spares=False)
+    wait_launchers(job, WORKER_HOSTS)
+    ref = digests(job.out)
+    assert sorted(ref) == list(range(len(WORKER_HOSTS) * PER_HOST)), job.all_logs()
+    return ref
+
+
+def _assert_migrated(stack: Stack, job: Job, count: int) -> list[dict[str, Any]]:
+    done = wait_until(lambda: closed(stack, job.job_id, count), 60, f"{count} incident(s)")
+    assert len(done) == count, done
+    for incident in done:
+        assert incident["resolution"] == "migrated_live", (incident, job.all_logs())
+    assert len({i["rank"] for i in done}) == count, done  # one incident per lost rank
+    return done
+
+
+def test_a_sigkilled_rank_moves_to_the_spare_host(
+    cluster: Cluster, reference: dict[int, str]
+) -> None:
+    stack = cluster.stack
+    job = start_job(cluster, "mh-kill")
+    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+    chaos = [sys.executable, "-m", "torchrelay.cli", "chaos"]
+    killed = subprocess.run(
+        [*chaos, "kill", "--job", job.job_id, "--rank", "3"],
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == 0, killed.stderr
+    wait_launchers(job, [*WORKER_HOSTS, SPARE_HOST])
+    [incident] = _assert_migrated(stack, job, 1)
+    assert incident["rank"] == 3
+    assert incident["node"] == "h1"
+    assert digests(job.out) == reference
+
+
+def test_a_gpu_fault_reported_by_a_hosts_node_agent_reaches_the_rank_on_that_gpu(
+    cluster: Cluster, reference: dict[int, str]
+) -> None:
+    # The node agent of h0 reports its node as h0, the name its launcher gave its ranks:
+    # an XID on (h0, gpu 1) is rank 1's, and only rank 1 moves.
+    stack = cluster.stack
+    job = start_job(cluster, "mh-xid")
+    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+    chaos = [sys.executable, "-m", "torchrelay.cli", "chaos"]
+    xid = subprocess.run(
+        [*chaos, "xid", "--node", "h0", "--gpu", "1", "--code", "79"],
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert xid.returncode == 0, xid.stderr
+    wait_launchers(job, [*WORKER_HOSTS, SPARE_HOST])
+    [incident] = _assert_migrated(stack, job, 1)
+    assert (incident["rank"], incident["node"], incident["gpu"]) == (1, "h0", 1)
+    assert digests(job.out) == reference
+
+
+def test_the_loss_of_a_whole_host_moves_its_ranks_to_the_spare_host(
+    cluster: Cluster, reference: dict[int, str]
+) -> None:
+    stack = cluster.stack
+    job = start_job(cluster, "mh-hostloss")
+    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+    assert cluster.net.kill_host("h1"), "h1 ran nothing"
+    survivors = [h for h in WORKER_HOSTS if h != "h1"]
+    wait_launchers(job, [*survivors, SPARE_HOST])
+    done = _assert_migrated(stack, job, PER_HOST)
+    assert sorted(i["rank"] for i in done) == [2, 3]
+    assert {i["node"] for i in done} == {"h1"}
+    assert digests(job.out) == reference
+
+
+def test_a_partitioned_host_is_replaced_and_its_processes_exit_fenced(
+    cluster: Cluster, reference: dict[int, str]
+) -> None:
+    stack = cluster.stack
+    job = start_job(cluster, "mh-partition")
+    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+    cluster.net.partition("h2")
+    cut_at = time.monotonic()
+    try:
+        done = _assert_migrated(stack, job, PER_HOST)
+        assert sorted(i["rank"] for i in done) == [4, 5]
+        time.sleep(max(0.0, 30 - (time.monotonic() - cut_at)))
+    finally:
+        cluster.net.heal("h2")
+    wait_launchers(job, [*WORKER_HOSTS, SPARE_HOST])
+    assert digests(job.out) == reference
+    # The cut-off processes came back to a newer generation and were fenced: they exit on
+    # their own (EXIT_FENCED), by their launcher's hand on the executor's fence order, or
+    # stopped by it at the job's end (the launcher's summary names each one's end).
+    log = job.log("h2")
+    for member in ("mh-partition-w4", "mh-partition-w5"):
+        [end] = [line.split() for line in log.splitlines() if f" {member} worker h2/" in line]
+        assert end[3] == "fenced", log
+        assert " ".join(end[4:]) in (
+            f"(exit code {EXIT_FENCED})",
+            "(killed by SIGKILL)",
+            "(killed by SIGTERM)",
+        ), log
+    assert not cluster.net.pids("h2"), "processes of h2 still run after the job"
+    assert len(incidents(stack, job.job_id)) == PER_HOST

@@ -1,0 +1,141 @@
+"""A job across hosts on one machine: three worker hosts of two ranks and a spare host of
+two hot spares, each host a network namespace (:mod:`tests.helpers.netns`) running one
+``torchrelay run`` launcher, the control plane on the bridge. The multi-host e2e tests and
+``python -m tests.bench multihost`` share it."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.harness import EXAMPLE, Stack, start_stack, stop_stack
+from tests.helpers import netns
+
+WORKER_HOSTS = ["h0", "h1", "h2"]
+SPARE_HOST = "hs"
+PER_HOST = 2
+STEPS = 90
+STEP_SLEEP = "0.05"
+CLAIM = "multihost-test-claim-0123456789"
+
+
+@dataclass
+class Cluster:
+    """The hosts' network and the stack that listens on its bridge."""
+
+    net: netns.Network
+    stack: Stack
+    logs: Path
+
+
+@dataclass
+class Job:
+    job_id: str
+    out: Path
+    launchers: dict[str, subprocess.Popen[bytes]]
+    logs: Path
+
+    def log(self, host: str) -> str:
+        return netns.read_log(self.logs / f"{self.job_id}-{host}.log")
+
+    def all_logs(self) -> str:
+        return "\n".join(f"== {h}\n{self.log(h)}" for h in self.launchers)
+
+
+def _run_cmd(job_id: str, out: Path, host: str, *plan: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torchrelay.cli",
+        "run",
+        *plan,
+        "--job-id",
+        job_id,
+        "--tenant",
+        "acme",
+        "--node-name",
+        host,
+        "--simulate-gpus",
+        str(EXAMPLE),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--hidden",
+        "256",
+        "--step-sleep",
+        STEP_SLEEP,
+    ]
+
+
+def start_job(cluster: Cluster, job_id: str, spares: bool = True) -> Job:
+    """One launcher per worker host (and the spare host's), each in its own namespace."""
+    out = cluster.logs / job_id
+    out.mkdir()
+    env = cluster.stack.env(
+        TORCHRELAY_JOB_CLAIM=CLAIM,
+        TORCHRELAY_NATS_CREDENTIALS=str(cluster.stack.info["credentials"]["launcher"]),
+    )
+    job = Job(job_id, out, {}, cluster.logs)
+    hosts = [*WORKER_HOSTS, SPARE_HOST] if spares else WORKER_HOSTS
+    per_node = ["--nproc-per-node", str(PER_HOST)]
+    for rank, host in enumerate(hosts):
+        plan = (
+            ["--spare", *per_node]
+            if host == SPARE_HOST
+            else ["--nnodes", str(len(WORKER_HOSTS)), "--node-rank", str(rank), *per_node]
+        )
+        log = (cluster.logs / f"{job_id}-{host}.log").open("ab")
+        job.launchers[host] = cluster.net.spawn(host, _run_cmd(job_id, out, host, *plan), env, log)
+    return job
+
+
+def api_get(stack: Stack, path: str, **params: Any) -> Any:
+    with stack.api() as api:
+        resp = api.get(path, params=params)
+        return resp.json() if resp.status_code == 200 else None
+
+
+def committed(stack: Stack, job_id: str) -> int:
+    info = api_get(stack, f"/v1/jobs/{job_id}")
+    return int((info or {}).get("committed_step") or -1)
+
+
+def incidents(stack: Stack, job_id: str) -> list[dict[str, Any]]:
+    got = api_get(stack, "/v1/incidents", job_id=job_id, limit=100)
+    return list((got or {}).get("items") or [])
+
+
+def closed(stack: Stack, job_id: str, count: int) -> list[dict[str, Any]] | None:
+    items = incidents(stack, job_id)
+    done = [i for i in items if i["resolution"] != "open"]
+    return done if len(done) >= count and len(done) == len(items) else None
+
+
+def wait_launchers(job: Job, hosts: list[str], timeout: float = 300) -> None:
+    for host in hosts:
+        try:
+            rc = job.launchers[host].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"launcher of {host} still running after {timeout:.0f}s\n{job.all_logs()}"
+            ) from None
+        assert rc == 0, f"launcher of {host} exited {rc}\n{job.all_logs()}"
+
+
+@contextlib.contextmanager
+def cluster_at(logs: Path) -> Iterator[Cluster]:
+    """The four hosts and a stack on their bridge; everything stopped and removed after."""
+    with netns.network([*WORKER_HOSTS, SPARE_HOST]) as net:
+        stack = start_stack(logs / "stack", {"TORCHRELAY_BIND": net.gateway})
+        try:
+            if net.gateway not in stack.plain_nats_url:
+                raise RuntimeError(f"the stack does not listen on the bridge: {stack.info}")
+            yield Cluster(net, stack, logs)
+        finally:
+            stop_stack(stack)
