@@ -2,7 +2,8 @@
 
 The supervisor starts the embedded servers (unless ``NATS_URL``/``REDIS_URL`` point
 elsewhere), starts each service on a fixed port, waits until every ``/readyz`` answers,
-writes ``stack.json``, and restarts a crashed service (or server) with backoff.
+writes ``stack.json``, and restarts a crashed service with backoff (a crashed server at once,
+on its port and data).
 """
 
 from __future__ import annotations

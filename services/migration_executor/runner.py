@@ -615,7 +615,8 @@ class SagaRunner:
         try:
             await self.bus.request(Subjects.fence(state.job_id), order, timeout=self.rpc_timeout_s)
         except BusError as exc:
-            # The member fences itself when it sees the newer generation (protocol §5).
+            # The member fences itself when it sees the newer generation (docs/design.md §3,
+            # step 4).
             self.log.warning("fence of %s not confirmed: %s", member_id, exc)
 
     async def _fence(self, state: SagaState, now: datetime) -> SagaState | None:

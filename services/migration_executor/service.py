@@ -201,7 +201,7 @@ class Executor:
         await self.runner.kick_job(report.job_id)
 
     async def try_form(self, job_id: str) -> None:
-        """Write generation 1 once every worker of a registered job joined (protocol §3)."""
+        """Write generation 1 once every worker of a registered job joined (docs/design.md §7)."""
         job = await self.store.job(job_id)
         if job is None or await self.store.finished(job_id):
             return

@@ -32,7 +32,7 @@ from torchrelay.deathlatch import DeathLatch
 
 EXIT_USAGE = 2
 Outcome = Literal["succeeded", "failed", "cancelled"]
-GIVE_UP_MARGIN_S = 30.0  # protocol §11: a lost rank not replaced in wait_timeout + 30 s
+GIVE_UP_MARGIN_S = 30.0  # docs/design.md §3: a lost rank not replaced in wait_timeout + 30 s
 STOP_GRACE_S = 10.0
 REGISTER_CONFLICT_RETRY_S = 30.0  # how long a spare's slot may still be another job's
 REGISTER_CONFLICT_PAUSE_S = 0.5

@@ -341,7 +341,8 @@ class SimJob:
         await self.serve_launcher()
         await self.register()
         for j in range(self.spares):
-            # As the launcher does (protocol §1): each hot spare is offered to the pool.
+            # As the launcher does (docs/design.md §1, "Hosts"): each hot spare is offered to
+            # the pool.
             with contextlib.suppress(NoResponder):
                 await self.bus.request(
                     Subjects.rpc("spare_pool", "register"),
