@@ -47,7 +47,7 @@ class Job:
         return "\n".join(f"== {h}\n{self.log(h)}" for h in self.launchers)
 
 
-def _run_cmd(job_id: str, out: Path, host: str, *plan: str) -> list[str]:
+def _run_cmd(job_id: str, out: Path, steps: int, *plan: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -58,12 +58,9 @@ def _run_cmd(job_id: str, out: Path, host: str, *plan: str) -> list[str]:
         job_id,
         "--tenant",
         "acme",
-        "--node-name",
-        host,
-        "--simulate-gpus",
         str(EXAMPLE),
         "--steps",
-        str(STEPS),
+        str(steps),
         "--out",
         str(out),
         "--hidden",
@@ -73,14 +70,18 @@ def _run_cmd(job_id: str, out: Path, host: str, *plan: str) -> list[str]:
     ]
 
 
-def start_job(cluster: Cluster, job_id: str, spares: bool = True) -> Job:
-    """One launcher per worker host (and the spare host's), each in its own namespace."""
-    out = cluster.logs / job_id
-    out.mkdir()
-    env = cluster.stack.env(
+def _launcher_env(cluster: Cluster) -> dict[str, str]:
+    return cluster.stack.env(
         TORCHRELAY_JOB_CLAIM=CLAIM,
         TORCHRELAY_NATS_CREDENTIALS=str(cluster.stack.info["credentials"]["launcher"]),
     )
+
+
+def start_job(cluster: Cluster, job_id: str, spares: bool = True, steps: int = STEPS) -> Job:
+    """One launcher per worker host (and the spare host's), each in its own namespace."""
+    out = cluster.logs / job_id
+    out.mkdir()
+    env = _launcher_env(cluster)
     job = Job(job_id, out, {}, cluster.logs)
     hosts = [*WORKER_HOSTS, SPARE_HOST] if spares else WORKER_HOSTS
     per_node = ["--nproc-per-node", str(PER_HOST)]
@@ -90,9 +91,27 @@ def start_job(cluster: Cluster, job_id: str, spares: bool = True) -> Job:
             if host == SPARE_HOST
             else ["--nnodes", str(len(WORKER_HOSTS)), "--node-rank", str(rank), *per_node]
         )
+        plan += ["--node-name", host, "--simulate-gpus"]
         log = (cluster.logs / f"{job_id}-{host}.log").open("ab")
-        job.launchers[host] = cluster.net.spawn(host, _run_cmd(job_id, out, host, *plan), env, log)
+        job.launchers[host] = cluster.net.spawn(host, _run_cmd(job_id, out, steps, *plan), env, log)
     return job
+
+
+def start_one_host_job(cluster: Cluster, job_id: str, spares: int, steps: int = STEPS) -> Job:
+    """The same ranks and spares as children of one launcher on the machine itself (the
+    one-host shortcut), against the same stack: the baseline of the hosts' figures."""
+    out = cluster.logs / job_id
+    out.mkdir()
+    world = len(WORKER_HOSTS) * PER_HOST
+    plan = ["--nproc", str(world), "--spares", str(spares), "--nodes", str(len(WORKER_HOSTS))]
+    log = (cluster.logs / f"{job_id}-local.log").open("ab")
+    proc = subprocess.Popen(
+        _run_cmd(job_id, out, steps, *plan),
+        env=_launcher_env(cluster),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    return Job(job_id, out, {"local": proc}, cluster.logs)
 
 
 def api_get(stack: Stack, path: str, **params: Any) -> Any:
