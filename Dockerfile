@@ -41,12 +41,15 @@ RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin torchrelay \
     && mkdir -p /var/lib/torchrelay \
     && chown torchrelay:torchrelay /var/lib/torchrelay
 COPY --from=build /opt/venv /opt/venv
+# The services ship inside the torchrelay package (not as a top-level ``services``):
+# `python -m services.<name>` finds them through PYTHONPATH, as `torchrelay up` sets it.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     TORCHRELAY_HOME=/var/lib/torchrelay \
     TORCHRELAY_HTTP_HOST=0.0.0.0 \
-    TORCHRELAY_HTTP_PORT=8080
+    TORCHRELAY_HTTP_PORT=8080 \
+    PYTHONPATH=/opt/venv/lib/python3.11/site-packages/torchrelay/_control_plane
 WORKDIR /var/lib/torchrelay
 USER 10001
 # Health (/healthz, /readyz), metrics (/metrics) and, for the api, the HTTP API.

@@ -24,6 +24,28 @@ class RuntimeErrorWithHint(RuntimeError):
     """An embedded server could not be found or started; the message says what to do."""
 
 
+def services_path() -> Path | None:
+    """The folder that holds the control plane's ``services`` package, for the path of the
+    processes that run a service: ``torchrelay/_control_plane`` of an installed torchrelay
+    (the services are not a top-level package in site-packages), the root of a source
+    checkout, or None where only the training side is installed."""
+    here = Path(__file__).resolve().parent
+    for root in (here / "_control_plane", here.parents[1]):
+        if (root / "services" / "__init__.py").is_file():
+            return root
+    return None
+
+
+def with_services_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :func:`services_path` first on ``PYTHONPATH`` (``python -m services.X``
+    then finds them wherever it runs)."""
+    root = services_path()
+    if root is None:
+        return dict(env)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join([str(root), *rest])}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -28,7 +28,13 @@ from typing import Any
 from torchrelay.auth import ADMIN, REVOKER, AuthBundle, ensure_bundle
 from torchrelay.bus import Bus, BusError
 from torchrelay.contract import SERVICES
-from torchrelay.runtime import ServerProcess, free_port, nats_server, redis_server
+from torchrelay.runtime import (
+    ServerProcess,
+    free_port,
+    nats_server,
+    redis_server,
+    with_services_path,
+)
 from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX
 
 log = logging.getLogger("torchrelay.stack")
@@ -187,9 +193,8 @@ class Supervisor:
             if self.auth is not None and redis_host is not None and redis_port is not None:
                 # Each service its own Redis user, limited to its key prefix.
                 env["REDIS_URL"] = self.auth.redis_url(redis_host, redis_port, role=name)
-            svc = ManagedService(
-                name, port, env, self.state_dir / "logs" / f"{name}.log", host=host
-            )
+            log = self.state_dir / "logs" / f"{name}.log"
+            svc = ManagedService(name, port, with_services_path(env), log, host=host)
             svc.start()
             self.services[name] = svc
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import sys
 
 from torchrelay.launcher._setup import Options
+from torchrelay.runtime import services_path, with_services_path
 
 
 async def start_node_agents(o: Options) -> list[asyncio.subprocess.Process]:
@@ -21,10 +21,10 @@ async def start_node_agents(o: Options) -> list[asyncio.subprocess.Process]:
     agents: list[asyncio.subprocess.Process] = []
     if not o.node_agents or (o.host is not None and not o.host.simulate_gpus):
         return agents  # a real host's node agent runs beside it (the detector's DaemonSet)
-    if importlib.util.find_spec("services.detector") is None:
+    if services_path() is None:
         print(
-            "torchrelay run: note: services.detector is not installed; no simulated "
-            "node agents (chaos xid/ecc/... will find no node)",
+            "torchrelay run: note: the control plane (services.detector) is not installed; "
+            "no simulated node agents (chaos xid/ecc/... will find no node)",
             file=sys.stderr,
         )
         return agents
@@ -33,7 +33,9 @@ async def start_node_agents(o: Options) -> list[asyncio.subprocess.Process]:
     nodes = [f"{o.cluster}-{k}" for k in range(o.nodes)]
     if o.host is not None:
         nodes, gpus = [o.host.node], max(8, max(o.host.gpus, default=0) + 3)
-    env = {**os.environ, "NATS_URL": o.nats_url, "TORCHRELAY_CLUSTER": o.cluster}
+    env = with_services_path(
+        {**os.environ, "NATS_URL": o.nats_url, "TORCHRELAY_CLUSTER": o.cluster}
+    )
     if o.node_agent_credentials:
         env["TORCHRELAY_NATS_CREDENTIALS"] = o.node_agent_credentials
     else:

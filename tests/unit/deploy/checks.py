@@ -56,6 +56,7 @@ ENV_ALLOWLIST: dict[str, str] = {
     "PYTHONUNBUFFERED": "the Python interpreter: logs reach the container runtime at once",
     "PYTHONDONTWRITEBYTECODE": "the Python interpreter: no .pyc in a read-only filesystem",
     "PATH": "the image's virtual environment",
+    "PYTHONPATH": "the Python interpreter: where `python -m services.<name>` finds the services",
     "PIP_NO_CACHE_DIR": "pip, in the Dockerfile's build stage",
     "PIP_DISABLE_PIP_VERSION_CHECK": "pip, in the Dockerfile's build stage",
 }

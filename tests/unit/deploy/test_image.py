@@ -41,6 +41,12 @@ def test_env_names_are_settings_and_the_port_is_the_one_exposed(
         if word == "ENV":
             env.update(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=(\S+)", args))
     assert checks.unknown_env_problems("Dockerfile", env, known_env) == []
+    # The services ship inside torchrelay: the image's interpreter must find them there.
+    [base] = {args for word, args in _instructions() if word == "FROM" and " AS " not in args}
+    version = base.split(":")[1].split("-")[0]
+    assert env["PYTHONPATH"] == (
+        f"/opt/venv/lib/python{version}/site-packages/torchrelay/_control_plane"
+    )
     exposed = [args for word, args in _instructions() if word == "EXPOSE"]
     assert exposed == [env["TORCHRELAY_HTTP_PORT"]]
     assert env["TORCHRELAY_HTTP_HOST"] == "0.0.0.0"
@@ -105,7 +111,8 @@ def test_pip_install_dot_ships_every_module_and_data_file() -> None:
             if path.suffix == ".pyc":
                 continue
             top = path.relative_to(root.parent).parts[0]
+            key = {"services": "torchrelay._control_plane.services"}.get(top, top)
             rel = str(path.relative_to(root))
-            if not any(fnmatch.fnmatch(rel, g) for g in package_data.get(top, [])):
+            if not any(fnmatch.fnmatch(rel, g) for g in package_data.get(key, [])):
                 problems.append(f"{path.relative_to(checks.REPO)} is not in package-data")
     assert sorted(set(problems)) == []
