@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider tests
 
 e2e: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider -m "e2e" tests
+	TORCHRELAY_E2E=all $(BIN)/python -m pytest -p no:cacheprovider -m "e2e" tests
 
 conformance: $(STAMP)
 	TORCHRELAY_CONFORMANCE=all $(BIN)/python -m pytest -p no:cacheprovider tests/conformance

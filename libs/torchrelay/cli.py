@@ -152,7 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     ledger.add_argument("action", choices=["verify"])
     ledger.add_argument("--contract", default=None)
 
-    sub.add_parser("demo", help=COMMANDS["demo"][2])
+    demo = sub.add_parser("demo", help=COMMANDS["demo"][2])
+    demo.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        metavar="K",
+        help="across K hosts, each a network namespace of this machine (root): K-1 worker "
+        "hosts and a spare host; the fault is a whole worker host lost",
+    )
 
     prov = sub.add_parser("provision", help=COMMANDS["provision"][2])
     prov.add_argument("--state-dir", default=None)

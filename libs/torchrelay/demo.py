@@ -5,6 +5,11 @@ same job with 2 hot spares while injecting a fatal fault (SIGKILL of one rank) a
 (a row-remap-pending signal on another rank's GPU), shows it live, and ends with the
 failures, how they were resolved, stall and lost steps, whether the final state is bitwise
 equal to the reference, the guarantee and the FOCUS export it wrote.
+
+``--hosts K`` tells it across K hosts, each a network namespace of this machine (root
+only): K-1 worker hosts of 2 ranks and a spare host of 2 hot spares, one ``torchrelay run``
+launcher each, the stack listening on their bridge; the fault is the loss of a whole worker
+host (every process in it killed at once), whose 2 ranks move to the spare host.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -26,6 +32,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from torchrelay import netns
 from torchrelay.examples import train_mlp
 from torchrelay.stack import read_stack, state_dir_from
 
@@ -35,26 +42,52 @@ NPROC = 4
 SPARES = 2
 NODES = 3
 TIMEOUT_S = 240.0
+PER_HOST = 2  # ranks of a worker host and spares of the spare host with --hosts
+SPARE_HOST = "spare0"
+MAX_HOSTS = 8
 
 
 @dataclass
 class DemoRun:
-    """One launched job and what the demo has seen of it."""
+    """One launched job (a launcher per host) and what the demo has seen of it."""
 
     job_id: str
     out: Path
-    proc: subprocess.Popen[bytes]
+    procs: dict[str, subprocess.Popen[bytes]]
     started: float = field(default_factory=time.monotonic)
     steps_seen: list[tuple[float, int]] = field(default_factory=list)
     injected: list[str] = field(default_factory=list)
+    lost_hosts: set[str] = field(default_factory=set)
+
+    def _watched(self) -> list[subprocess.Popen[bytes]]:
+        return [p for h, p in self.procs.items() if h not in self.lost_hosts]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self._watched())
+
+    def terminate(self) -> None:
+        for proc in self._watched():
+            if proc.poll() is None:
+                proc.terminate()
+
+    def wait(self) -> int:
+        """The first non-zero exit code of the launchers the demo did not kill, else 0."""
+        codes = [int(p.wait()) for p in self._watched()]
+        return next((c for c in codes if c != 0), 0)
 
 
 class Demo:
-    def __init__(self, state_dir: Path, console: Console) -> None:
+    def __init__(
+        self, state_dir: Path, console: Console, network: netns.Network | None = None
+    ) -> None:
         self.state_dir = state_dir
         self.console = console
         self.stack: dict[str, Any] = {}
         self.started_stack = False
+        # With --hosts: the hosts' namespaces; their launchers run there, the stack on the bridge.
+        self.network = network
+        self.workers = [h for h in network.hosts if h != SPARE_HOST] if network else []
+        self.nproc = PER_HOST * len(self.workers) if network else NPROC
 
     # ------------------------------------------------------------------ stack
 
@@ -78,6 +111,7 @@ class Demo:
                 f"[bold]starting the stack[/] in {self.state_dir} "
                 "(nats-server, redis-server, 6 services)…"
             )
+            bind = ["--bind", self.network.gateway] if self.network else []
             proc = subprocess.run(
                 [
                     sys.executable,
@@ -87,6 +121,7 @@ class Demo:
                     "--detach",
                     "--state-dir",
                     str(self.state_dir),
+                    *bind,
                 ],
                 capture_output=True,
                 text=True,
@@ -96,6 +131,12 @@ class Demo:
                 raise RuntimeError(f"torchrelay up failed: {proc.stderr.strip()}")
             self.started_stack = True
         self.stack = read_stack(self.state_dir) or {}
+        if self.network and self.network.gateway not in str(self.stack.get("nats_url")):
+            raise RuntimeError(
+                f"the stack in {self.state_dir} listens on {self.stack.get('nats_url')}, not "
+                f"on the hosts' bridge {self.network.gateway}: stop it (torchrelay down "
+                f"--state-dir {self.state_dir}) and run the demo again"
+            )
         self.console.print(f"stack ready: api {self.stack['api_url']}")
 
     def down(self) -> None:
@@ -149,30 +190,35 @@ class Demo:
         out.mkdir(parents=True, exist_ok=True)
         for old in out.glob("rank*.json"):
             old.unlink()
-        cmd = [
-            sys.executable,
-            "-m",
-            "torchrelay.cli",
-            "run",
-            "--nproc",
-            str(NPROC),
-            "--spares",
-            str(spares),
-            "--nodes",
-            str(NODES),
-            "--job-id",
-            job_id,
-            "--tenant",
-            TENANT,
-            str(Path(train_mlp.__file__)),
-            "--steps",
-            str(STEPS),
-            "--out",
-            str(out),
-        ]
-        log = (out / "launcher.log").open("ab")
-        proc = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
-        return DemoRun(job_id, out, proc)
+        head = [sys.executable, "-m", "torchrelay.cli", "run"]
+        tail = ["--job-id", job_id, "--tenant", TENANT, str(Path(train_mlp.__file__))]
+        tail += ["--steps", str(STEPS), "--out", str(out)]
+        if self.network is None:
+            plan = ["--nproc", str(NPROC), "--spares", str(spares), "--nodes", str(NODES)]
+            log = (out / "launcher.log").open("ab")
+            proc = subprocess.Popen(
+                [*head, *plan, *tail], env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            )
+            return DemoRun(job_id, out, {"local": proc})
+        env = self.env()
+        env["TORCHRELAY_JOB_CLAIM"] = secrets.token_urlsafe(24)  # one per job, every host's
+        env["TORCHRELAY_NATS_CREDENTIALS"] = str(
+            (self.stack.get("credentials") or {}).get("launcher") or ""
+        )
+        if not env["TORCHRELAY_NATS_CREDENTIALS"]:
+            del env["TORCHRELAY_NATS_CREDENTIALS"]
+        per_host = ["--nproc-per-node", str(PER_HOST), "--simulate-gpus"]
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        for rank, host in enumerate(self.workers):
+            plan = ["--nnodes", str(len(self.workers)), "--node-rank", str(rank), *per_host]
+            log = (out / f"launcher-{host}.log").open("ab")
+            cmd = [*head, *plan, "--node-name", host, *tail]
+            procs[host] = self.network.spawn(host, cmd, env, log)
+        if spares:
+            log = (out / f"launcher-{SPARE_HOST}.log").open("ab")
+            cmd = [*head, "--spare", *per_host, "--node-name", SPARE_HOST, *tail]
+            procs[SPARE_HOST] = self.network.spawn(SPARE_HOST, cmd, env, log)
+        return DemoRun(job_id, out, procs)
 
     def chaos(self, *args: str) -> None:
         subprocess.run(
@@ -233,20 +279,30 @@ class Demo:
 
     def watch(self, run: DemoRun, title: str, inject: bool) -> int:
         with Live(self.render(run, title), console=self.console, refresh_per_second=4) as live:
-            while run.proc.poll() is None:
+            while run.running():
                 if time.monotonic() - run.started > TIMEOUT_S:
-                    run.proc.terminate()
+                    run.terminate()
                     break
                 live.update(self.render(run, title))
                 if inject:
                     self.maybe_inject(run)
                 time.sleep(0.25)
             live.update(self.render(run, title))
-        return int(run.proc.wait())
+        return run.wait()
 
     def maybe_inject(self, run: DemoRun) -> None:
         job = self.job(run.job_id) or {}
         step = int(job.get("committed_step") or 0)
+        if self.network is not None:
+            if not run.injected and step >= STEPS * 0.3:
+                host = self.workers[-1]
+                run.lost_hosts.add(host)
+                killed = self.network.kill_host(host)
+                run.injected.append(
+                    f"step {step}: host {host} lost: its {len(killed)} processes (launcher, "
+                    f"{PER_HOST} ranks, node agent) killed at once"
+                )
+            return
         if not run.injected and step >= STEPS * 0.3:
             self.chaos("kill", "--job", run.job_id, "--rank", "1")
             run.injected.append(f"step {step}: SIGKILL of rank 1 (fatal: worker lost)")
@@ -266,7 +322,7 @@ class Demo:
     def summary(self, ref: DemoRun, live: DemoRun, contract: dict[str, Any]) -> bool:
         ref_d = _digests(ref.out)
         live_d = _digests(live.out)
-        equal = bool(ref_d) and ref_d == live_d and len(ref_d) == NPROC
+        equal = bool(ref_d) and ref_d == live_d and len(ref_d) == self.nproc
         deadline = time.monotonic() + 30
         incidents = self.incidents(live.job_id)
         while time.monotonic() < deadline and (
@@ -345,27 +401,61 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; exit 0 when both failures were resolved live and the state is equal."""
     console = Console()
     state_dir = state_dir_from(getattr(args, "state_dir", None))
-    demo = Demo(state_dir, console)
+    hosts = getattr(args, "hosts", None)
+    if hosts is None:
+        return _demo(Demo(state_dir, console), console)
+    if not 2 <= hosts <= MAX_HOSTS:
+        print(
+            f"torchrelay demo: --hosts {hosts}: give 2 to {MAX_HOSTS} (worker hosts and a "
+            "spare host)",
+            file=sys.stderr,
+        )
+        return 2
+    why = netns.unavailable()
+    if why is not None:
+        print(
+            f"torchrelay demo: --hosts needs network namespaces, and {why}; run it as root "
+            "with iproute2, or without --hosts",
+            file=sys.stderr,
+        )
+        return 2
+    names = [f"host{i}" for i in range(hosts - 1)] + [SPARE_HOST]
+    with netns.network(names) as network:
+        console.print(
+            f"hosts: {', '.join(f'{h} {network.hosts[h].address}' for h in names)} "
+            f"(network namespaces on bridge {network.bridge} {network.gateway})"
+        )
+        # Its own stack, listening on the bridge, beside any stack of this state dir.
+        return _demo(Demo(state_dir / "hosts", console, network), console)
+
+
+def _demo(demo: Demo, console: Console) -> int:
     started = time.monotonic()
     try:
         demo.up()
         contract = demo.create_contract()
         stamp = datetime.now(UTC).strftime("%H%M%S")
+        where = f" on {len(demo.workers)} hosts of {PER_HOST}" if demo.network is not None else ""
         console.print(
-            f"[bold]1/2[/] fault-free reference run: {NPROC} ranks, "
+            f"[bold]1/2[/] fault-free reference run: {demo.nproc} ranks{where}, "
             f"{STEPS} steps, 2.4M-parameter MLP, AdamW"
         )
         ref = demo.launch(f"demo-ref-{stamp}", spares=0)
         if demo.watch(ref, "reference run (no faults)", inject=False) != 0:
-            console.print(f"[red]the reference run failed; see {ref.out / 'launcher.log'}")
+            console.print(f"[red]the reference run failed; see its launcher logs in {ref.out}")
             return 1
-        console.print(
-            f"[bold]2/2[/] the same job with {SPARES} hot spares, a fatal fault and a warning"
+        story = (
+            f"{PER_HOST} hot spares on host {SPARE_HOST} and the loss of a whole worker host"
+            if demo.network is not None
+            else f"{SPARES} hot spares, a fatal fault and a warning"
         )
+        console.print(f"[bold]2/2[/] the same job with {story}")
         live = demo.launch(f"demo-live-{stamp}", spares=SPARES)
         rc = demo.watch(live, "protected run", inject=True)
         if rc != 0:
-            console.print(f"[red]the protected run exited {rc}; see {live.out / 'launcher.log'}")
+            console.print(
+                f"[red]the protected run exited {rc}; see the launcher logs in {live.out}"
+            )
         ok = demo.summary(ref, live, contract) and rc == 0
         console.print(f"demo finished in {time.monotonic() - started:.0f} s")
         return 0 if ok else 1

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness import digests, wait_until
-from tests.helpers import netns
 from tests.helpers.multihost import (
     PER_HOST,
     SPARE_HOST,
@@ -45,6 +44,7 @@ from tests.helpers.multihost import (
     start_one_host_job,
     wait_launchers,
 )
+from torchrelay import netns
 
 STEPS = 80
 FAULT_AT = 20

@@ -2,9 +2,10 @@
 host, one ``torchrelay run`` launcher in each, the control plane reached over a bridge.
 
 Three worker hosts of two ranks and one spare host of two hot spares. Each faulty run ends
-bitwise equal to the fault-free run of the same layout: a SIGKILLed rank, a whole worker
-host killed (its launcher and node agent included), and a worker host cut off the network
-for 30 s (its processes must find themselves fenced and exit when it comes back).
+bitwise equal to the fault-free run of the same layout: a SIGKILLed rank and then an XID on
+another host's GPU, a whole worker host killed (its launcher and node agent included), and a
+worker host cut off the network for 30 s (its processes must find themselves fenced and exit
+when it comes back).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 import pytest
 
 from tests.harness import Stack, digests, wait_until
-from tests.helpers import netns
 from tests.helpers.multihost import (
     PER_HOST,
     SPARE_HOST,
@@ -32,6 +32,7 @@ from tests.helpers.multihost import (
     start_job,
     wait_launchers,
 )
+from torchrelay import netns
 from torchrelay.contract import EXIT_FENCED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -64,48 +65,33 @@ def _assert_migrated(stack: Stack, job: Job, count: int) -> list[dict[str, Any]]
     return done
 
 
-def test_a_sigkilled_rank_moves_to_the_spare_host(
+def chaos(stack: Stack, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "torchrelay.cli", "chaos", *args],
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_sigkilled_rank_and_a_gpu_fault_each_move_one_rank_to_the_spare_host(
     cluster: Cluster, reference: dict[int, str]
 ) -> None:
     stack = cluster.stack
     job = start_job(cluster, "mh-kill")
     wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
-    chaos = [sys.executable, "-m", "torchrelay.cli", "chaos"]
-    killed = subprocess.run(
-        [*chaos, "kill", "--job", job.job_id, "--rank", "3"],
-        env=stack.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert killed.returncode == 0, killed.stderr
-    wait_launchers(job, [*WORKER_HOSTS, SPARE_HOST])
-    [incident] = _assert_migrated(stack, job, 1)
-    assert incident["rank"] == 3
-    assert incident["node"] == "h1"
-    assert digests(job.out) == reference
-
-
-def test_a_gpu_fault_reported_by_a_hosts_node_agent_reaches_the_rank_on_that_gpu(
-    cluster: Cluster, reference: dict[int, str]
-) -> None:
+    chaos(stack, "kill", "--job", job.job_id, "--rank", "3")
+    [killed] = _assert_migrated(stack, job, 1)
+    assert (killed["rank"], killed["node"]) == (3, "h1")
     # The node agent of h0 reports its node as h0, the name its launcher gave its ranks:
-    # an XID on (h0, gpu 1) is rank 1's, and only rank 1 moves.
-    stack = cluster.stack
-    job = start_job(cluster, "mh-xid")
-    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
-    chaos = [sys.executable, "-m", "torchrelay.cli", "chaos"]
-    xid = subprocess.run(
-        [*chaos, "xid", "--node", "h0", "--gpu", "1", "--code", "79"],
-        env=stack.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert xid.returncode == 0, xid.stderr
+    # an XID on (h0, gpu 1) is rank 1's, and only rank 1 moves (to the second spare).
+    chaos(stack, "xid", "--node", "h0", "--gpu", "1", "--code", "79")
     wait_launchers(job, [*WORKER_HOSTS, SPARE_HOST])
-    [incident] = _assert_migrated(stack, job, 1)
-    assert (incident["rank"], incident["node"], incident["gpu"]) == (1, "h0", 1)
+    done = _assert_migrated(stack, job, 2)
+    [xid] = [i for i in done if i["incident_id"] != killed["incident_id"]]
+    assert (xid["rank"], xid["node"], xid["gpu"]) == (1, "h0", 1)
     assert digests(job.out) == reference
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness import EXAMPLE, Stack, start_stack, stop_stack
-from tests.helpers import netns
+from torchrelay import netns
 
 WORKER_HOSTS = ["h0", "h1", "h2"]
 SPARE_HOST = "hs"
 PER_HOST = 2
-STEPS = 90
+STEPS = 70
 STEP_SLEEP = "0.05"
 CLAIM = "multihost-test-claim-0123456789"
 

@@ -31,6 +31,7 @@ APPLICATIONS = {
     "torchrelay.cli",
     "torchrelay.examples",
     "torchrelay.ledger_verify",
+    "torchrelay.netns",
 }
 # What only the control plane needs: a training image without them runs the agent.
 CONTROL_PLANE_PACKAGES = (

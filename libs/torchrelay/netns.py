@@ -1,9 +1,10 @@
-"""Hosts on one machine: a Linux network namespace per host, veth pairs on one bridge.
+"""Hosts on one machine: a Linux network namespace per host, veth pairs on one bridge
+(``torchrelay demo --hosts``, the multi-host tests and bench).
 
 The control plane runs in the machine's own namespace, listening on the bridge's address;
 each host reaches it, and the other hosts, only over its veth link. Host loss is a SIGKILL
 of every process in a host's namespace; a partition is its link set down. Creating them
-needs root and ``ip`` (iproute2): :func:`unavailable` says why a test must skip.
+needs root and ``ip`` (iproute2): :func:`unavailable` says why they cannot be made.
 """
 
 from __future__ import annotations
