@@ -25,6 +25,7 @@ from tests.helpers.multihost import (
     WORKER_HOSTS,
     Cluster,
     Job,
+    api_get,
     closed,
     cluster_at,
     committed,
@@ -140,3 +141,8 @@ def test_a_partitioned_host_is_replaced_and_its_processes_exit_fenced(
         ), log
     assert not cluster.net.pids("h2"), "processes of h2 still run after the job"
     assert len(incidents(stack, job.job_id)) == PER_HOST
+    # One truth: a generation per migration, and the job's last ranks on the spare host.
+    info = api_get(stack, f"/v1/jobs/{job.job_id}")
+    assert info["generation"] == 1 + PER_HOST, info
+    assert {r["node"] for r in info["ranks"] if r["rank"] in (4, 5)} == {SPARE_HOST}, info
+    assert len({r["rank"] for r in info["ranks"]}) == len(info["ranks"]) == 6, info

@@ -29,6 +29,7 @@ from torchrelay.launcher._setup import (
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]{1,100}$")
 _NAME = re.compile(r"^[A-Za-z0-9_\-.:]{1,128}$")
+ID_LIMIT = 128  # contract.Name/Token
 
 
 def host_plan(args: argparse.Namespace, job_id: str) -> HostPlan | None:
@@ -72,7 +73,7 @@ def host_plan(args: argparse.Namespace, job_id: str) -> HostPlan | None:
     if claim is not None and not 16 <= len(claim) <= 256:
         raise LauncherError("TORCHRELAY_JOB_CLAIM must be 16 to 256 characters")
     nats = resolve_nats_url()
-    return HostPlan(
+    plan = HostPlan(
         node=node,
         nproc_per_node=per_node,
         gpus=parse_gpus(getattr(args, "gpus", None), per_node + local_spares),
@@ -83,6 +84,16 @@ def host_plan(args: argparse.Namespace, job_id: str) -> HostPlan | None:
         claim=claim,
         advertise_host=os.environ.get("TORCHRELAY_ADVERTISE_HOST") or advertise_address(nats),
     )
+    # Ids built from both (``<job>-launcher-<host>``, ``<job>-<host>-s<n>``) are names of at
+    # most 128 characters on the bus: refuse them here, not when the job registers.
+    longest = f"{job_id}-launcher-{plan.token}"
+    if len(longest) > ID_LIMIT:
+        raise LauncherError(
+            f"--job-id ({len(job_id)} characters) and this host's name ({len(plan.token)} "
+            f"used) make ids of {len(longest)} characters, over {ID_LIMIT}: give a shorter "
+            "--job-id or --node-name"
+        )
+    return plan
 
 
 def options_from_args(args: argparse.Namespace) -> Options:

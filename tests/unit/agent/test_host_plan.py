@@ -76,6 +76,15 @@ def test_mistakes_are_named(script: str, flags: list[str], message: str) -> None
         plan(script, *flags)
 
 
+def test_a_job_id_too_long_for_this_hosts_ids_is_refused_before_anything_starts(
+    script: str,
+) -> None:
+    flags = ["--nnodes", "1", "--nproc-per-node", "1", "--node-name", "n" * 48]
+    plan(script, *flags, "--job-id", "j" * 70)  # 70 + len("-launcher-") + 48 = 128
+    with pytest.raises(LauncherError, match=r"ids of 129 characters, over 128"):
+        plan(script, *flags, "--job-id", "j" * 71)
+
+
 def test_a_claim_of_the_wrong_length_is_refused(
     script: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
