@@ -35,6 +35,7 @@ from tests.helpers.multihost import (
 )
 from torchrelay import netns
 from torchrelay.contract import EXIT_FENCED
+from torchrelay.launcher import EXIT_HOST_REFUSED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -64,6 +65,14 @@ def _assert_migrated(stack: Stack, job: Job, count: int) -> list[dict[str, Any]]
         assert incident["resolution"] == "migrated_live", (incident, job.all_logs())
     assert len({i["rank"] for i in done}) == count, done  # one incident per lost rank
     return done
+
+
+def test_a_host_that_comes_after_the_job_formed_is_refused_with_exit_3(
+    cluster: Cluster, reference: dict[int, str]
+) -> None:
+    late = start_job(cluster, "mh-reference", spares=False, hosts=["hs"], nnodes=3)
+    assert late.launchers["hs"].wait(120) == EXIT_HOST_REFUSED, late.all_logs()
+    assert "host hs is late" in late.log("hs"), late.log("hs")
 
 
 def chaos(stack: Stack, *args: str) -> None:

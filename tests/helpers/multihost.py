@@ -77,19 +77,30 @@ def _launcher_env(cluster: Cluster) -> dict[str, str]:
     )
 
 
-def start_job(cluster: Cluster, job_id: str, spares: bool = True, steps: int = STEPS) -> Job:
-    """One launcher per worker host (and the spare host's), each in its own namespace."""
+def start_job(
+    cluster: Cluster,
+    job_id: str,
+    spares: bool = True,
+    steps: int = STEPS,
+    hosts: list[str] | None = None,
+    nnodes: int | None = None,
+) -> Job:
+    """One launcher per worker host (and the spare host's), each in its own namespace.
+
+    ``hosts`` and ``nnodes`` given: those hosts join as workers of an ``nnodes``-host job
+    without a node rank (the rendezvous picks one, or refuses them)."""
     out = cluster.logs / job_id
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     env = _launcher_env(cluster)
     job = Job(job_id, out, {}, cluster.logs)
-    hosts = [*WORKER_HOSTS, SPARE_HOST] if spares else WORKER_HOSTS
     per_node = ["--nproc-per-node", str(PER_HOST)]
-    for rank, host in enumerate(hosts):
+    chosen = hosts or ([*WORKER_HOSTS, SPARE_HOST] if spares else WORKER_HOSTS)
+    for rank, host in enumerate(chosen):
         plan = (
             ["--spare", *per_node]
-            if host == SPARE_HOST
-            else ["--nnodes", str(len(WORKER_HOSTS)), "--node-rank", str(rank), *per_node]
+            if host == SPARE_HOST and hosts is None
+            else ["--nnodes", str(nnodes or len(WORKER_HOSTS)), *per_node]
+            + ([] if hosts is not None else ["--node-rank", str(rank)])
         )
         plan += ["--node-name", host, "--simulate-gpus"]
         log = (cluster.logs / f"{job_id}-{host}.log").open("ab")

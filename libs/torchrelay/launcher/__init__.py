@@ -1,11 +1,14 @@
-"""``torchrelay run``: start a job's workers and hot spares on simulated slots and supervise them.
+"""``torchrelay run``: start a host's workers and hot spares and supervise them.
 
-The launcher is the job's hands on this machine: it spawns N workers
-and S hot spares as subprocesses (``--nodes K`` spreads them over K simulated nodes),
+The launcher is the job's hands on its host: it spawns the host's workers and hot spares
+as subprocesses on the host's slots (across hosts one launcher per host, meeting through
+the scheduler's rendezvous; the one-host shortcut ``--nodes K`` spreads them over K
+simulated nodes),
 registers the job and its spares, reports every child's exit (a lost rank's as soon as it
 starts dying: ``deathlatch``), answers fencing orders, cold-spare spawns and pid look-ups on
 NATS, forwards Ctrl-C/SIGTERM to the whole job, and exits 0 when every rank of the newest
-generation has finished.
+generation has finished (exit 2: bad arguments or no control plane; 3: the rendezvous
+refused this host).
 
 ``_setup`` holds what comes before any process (environment, credentials, slots, exit codes),
 ``_launcher`` the supervising class, ``_args`` the command line.
@@ -14,12 +17,14 @@ generation has finished.
 from torchrelay.launcher._args import cmd_run, options_from_args
 from torchrelay.launcher._launcher import Launcher
 from torchrelay.launcher._setup import (
+    EXIT_HOST_REFUSED,
     EXIT_USAGE,
     GIVE_UP_MARGIN_S,
     PROCESS_DEFAULTS,
     STACK_ONLY_ENV,
     STOP_GRACE_S,
     Child,
+    HostRefused,
     LauncherError,
     Options,
     Outcome,
@@ -35,12 +40,14 @@ from torchrelay.launcher._setup import (
 )
 
 __all__ = [
+    "EXIT_HOST_REFUSED",
     "EXIT_USAGE",
     "GIVE_UP_MARGIN_S",
     "PROCESS_DEFAULTS",
     "STACK_ONLY_ENV",
     "STOP_GRACE_S",
     "Child",
+    "HostRefused",
     "Launcher",
     "LauncherError",
     "Options",

@@ -20,7 +20,7 @@ from torchrelay.contract import (
     Subjects,
     make_event_id,
 )
-from torchrelay.launcher._setup import Child, HostPlan, LauncherError, Outcome
+from torchrelay.launcher._setup import Child, HostPlan, HostRefused, LauncherError, Outcome
 
 BEAT_INTERVAL_S = 0.5  # the detector's launcher timeout (2 s by default) is four beats
 JOIN_RETRY_S = 40.0  # the scheduler may be (re)starting when the hosts come up
@@ -85,8 +85,8 @@ async def join_host(bus: Bus, job_id: str, tenant: str, plan: HostPlan) -> HostJ
     """Join the job's rendezvous; this host's node rank and the job's world size.
 
     Raises:
-        LauncherError: the scheduler refused the host (late, twice, rank taken, shape) or
-            did not answer.
+        HostRefused: the scheduler refused the host (late, twice, rank taken, shape, claim).
+        LauncherError: the scheduler did not answer.
     """
     req = HostJoin(
         job_id=job_id,
@@ -104,7 +104,7 @@ async def join_host(bus: Bus, job_id: str, tenant: str, plan: HostPlan) -> HostJ
             got = await bus.request(Subjects.rpc("scheduler", "join_host"), req, timeout=5.0)
             return HostJoined.model_validate(got)
         except RpcFailed as exc:
-            raise LauncherError(f"host {plan.node} cannot join job {job_id}: {exc}") from None
+            raise HostRefused(f"host {plan.node} cannot join job {job_id}: {exc}") from None
         except (NoResponder, BusError) as exc:
             if asyncio.get_running_loop().time() > deadline:
                 raise LauncherError(

@@ -51,11 +51,13 @@ from torchrelay.launcher._hosts import (
     stopped,
 )
 from torchrelay.launcher._setup import (
+    EXIT_HOST_REFUSED,
     EXIT_USAGE,
     GIVE_UP_MARGIN_S,
     STACK_ONLY_ENV,
     STOP_GRACE_S,
     Child,
+    HostRefused,
     LauncherError,
     Options,
     Outcome,
@@ -125,7 +127,8 @@ class Launcher:
                 "NATS_URL": self.opts.nats_url,
                 # torchrun's names; a spare's RANK is set by torchrelay.init() once it has one.
                 "LOCAL_RANK": str(child.local_rank),
-                "LOCAL_WORLD_SIZE": str(self.opts.nproc),
+                # A spare host's ranks are the ones its spares take.
+                "LOCAL_WORLD_SIZE": str(self.opts.nproc or self.opts.spares),
                 "WORLD_SIZE": str(self._world_size),
             }
         )
@@ -638,7 +641,7 @@ class Launcher:
                 await self._join()
             except LauncherError as exc:
                 print(f"torchrelay run: {exc}", file=sys.stderr)
-                return EXIT_USAGE
+                return EXIT_HOST_REFUSED if isinstance(exc, HostRefused) else EXIT_USAGE
             try:
                 await self._obtain_job_credentials()
             except BusError as exc:

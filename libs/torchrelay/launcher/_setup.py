@@ -31,6 +31,9 @@ from torchrelay.contract import (
 from torchrelay.deathlatch import DeathLatch
 
 EXIT_USAGE = 2
+# The control plane refused this host (a second launcher on it, a late host, a node rank
+# held, another shape or claim): another try as the same host cannot succeed.
+EXIT_HOST_REFUSED = 3
 Outcome = Literal["succeeded", "failed", "cancelled"]
 GIVE_UP_MARGIN_S = 30.0  # docs/design.md §3: a lost rank not replaced in wait_timeout + 30 s
 STOP_GRACE_S = 10.0
@@ -145,6 +148,10 @@ async def register_hot_spare(
 
 class LauncherError(RuntimeError):
     """The job cannot be launched; the message says what to do."""
+
+
+class HostRefused(LauncherError):
+    """The job's rendezvous refused this host; the message names why."""
 
 
 # --------------------------------------------------------------------------- pure rules

@@ -36,7 +36,13 @@ import pytest
 from tests.unit.deploy import checks
 from torchrelay.auth import ROLES
 from torchrelay.cli import build_parser
-from torchrelay.launcher import EXIT_USAGE, LauncherError, Options, options_from_args
+from torchrelay.launcher import (
+    EXIT_HOST_REFUSED,
+    EXIT_USAGE,
+    LauncherError,
+    Options,
+    options_from_args,
+)
 from torchrelay.launcher._args import host_plan
 
 TRAINING_DIR = checks.K8S_DIR / "training"
@@ -487,10 +493,14 @@ def jobset_shape_problems(
         if not any(
             r.get("action") == "FailJob"
             and (r.get("onExitCodes") or {}).get("operator") == "In"
-            and EXIT_USAGE in (r.get("onExitCodes") or {}).get("values", [])
+            and {EXIT_USAGE, EXIT_HOST_REFUSED}
+            <= set((r.get("onExitCodes") or {}).get("values", []))
             for r in rules
         ):
-            problems.append(f"{where}: no podFailurePolicy FailJob on exit {EXIT_USAGE} (usage)")
+            problems.append(
+                f"{where}: no podFailurePolicy FailJob on exits {EXIT_USAGE} (usage) and "
+                f"{EXIT_HOST_REFUSED} (host refused)"
+            )
         selector = pod.get("nodeSelector") or {}
         if not agent_selector.items() <= selector.items():
             problems.append(
