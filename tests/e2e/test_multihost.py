@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.conformance.matrix import cpu_load
 from tests.harness import Stack, digests, wait_until
 from tests.helpers.multihost import (
     PER_HOST,
@@ -105,15 +106,18 @@ def test_a_sigkilled_rank_and_a_gpu_fault_each_move_one_rank_to_the_spare_host(
     assert digests(job.out) == reference
 
 
-def test_the_loss_of_a_whole_host_moves_its_ranks_to_the_spare_host(
+def test_the_loss_of_a_whole_host_under_cpu_load_moves_its_ranks_to_the_spare_host(
     cluster: Cluster, reference: dict[int, str]
 ) -> None:
+    # On a busy machine (busy-loop processes on every core): a live host's late beats must
+    # not pass for a lost host.
     stack = cluster.stack
-    job = start_job(cluster, "mh-hostloss")
-    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
-    assert cluster.net.kill_host("h1"), "h1 ran nothing"
-    survivors = [h for h in WORKER_HOSTS if h != "h1"]
-    wait_launchers(job, [*survivors, SPARE_HOST])
+    with cpu_load("hogs"):
+        job = start_job(cluster, "mh-hostloss")
+        wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+        assert cluster.net.kill_host("h1"), "h1 ran nothing"
+        survivors = [h for h in WORKER_HOSTS if h != "h1"]
+        wait_launchers(job, [*survivors, SPARE_HOST])
     done = _assert_migrated(stack, job, PER_HOST)
     assert sorted(i["rank"] for i in done) == [2, 3]
     assert {i["node"] for i in done} == {"h1"}
