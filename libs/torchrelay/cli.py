@@ -21,6 +21,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("torchrelay.client", "cmd_export", "FOCUS billing export for a period"),
     "ledger": ("torchrelay.client", "cmd_ledger", "ledger tools: verify"),
     "demo": ("torchrelay.demo", "cmd_demo", "the whole story on this machine"),
+    "service": (
+        "torchrelay.stack",
+        "cmd_service",
+        "run one service or the detector node agent (python -m services.NAME)",
+    ),
     "auth": ("torchrelay.auth", "cmd_auth", "NATS/Redis credentials for a deployment"),
     "provision": (
         "torchrelay.stack",
@@ -161,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="across K hosts, each a network namespace of this machine (root): K-1 worker "
         "hosts and a spare host; the fault is a whole worker host lost",
     )
+
+    service = sub.add_parser("service", help=COMMANDS["service"][2])
+    service.add_argument("name", help="detector, scheduler, spare_pool, migration_executor, ...")
+    service.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments")
 
     prov = sub.add_parser("provision", help=COMMANDS["provision"][2])
     prov.add_argument("--state-dir", default=None)

@@ -46,6 +46,20 @@ def with_services_path(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([str(root), *rest])}
 
 
+def without_installed_services(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without an installed torchrelay's services folder on ``PYTHONPATH`` (an image
+    sets it for its services): training code imports its own ``services``, if it has one."""
+    root = services_path()
+    path = env.get("PYTHONPATH")
+    if root is None or root.name != "_control_plane" or not path:
+        return dict(env)
+    kept = [p for p in path.split(os.pathsep) if p and Path(p).resolve() != root]
+    out = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    if kept:
+        out["PYTHONPATH"] = os.pathsep.join(kept)
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -33,6 +33,7 @@ from torchrelay.runtime import (
     free_port,
     nats_server,
     redis_server,
+    services_path,
     with_services_path,
 )
 from torchrelay.settings import DEV_OPERATOR_TOKEN_PREFIX
@@ -459,3 +460,28 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    """``torchrelay service NAME [ARGS...]``: run one service as ``python -m services.NAME``
+    with the services on its path (they ship inside torchrelay), in place of this process:
+    a GPU node's ``torchrelay service detector agent --node N`` or a unit file's service."""
+    if args.name not in SERVICES:
+        print(
+            f"torchrelay service: no service {args.name!r}; choose one of {', '.join(SERVICES)}",
+            file=sys.stderr,
+        )
+        return 2
+    if services_path() is None:
+        print(
+            "torchrelay service: the control plane is not installed here: "
+            "pip install 'torchrelay[control-plane]'",
+            file=sys.stderr,
+        )
+        return 2
+    rest = list(args.args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    argv = [sys.executable, "-m", f"services.{args.name}", *rest]
+    os.execve(sys.executable, argv, with_services_path(dict(os.environ)))  # noqa: S606
+    return 0  # not reached: execve replaces this process

@@ -1,5 +1,5 @@
 """A job across hosts on one machine: three worker hosts of two ranks and a spare host of
-two hot spares, each host a network namespace (:mod:`tests.helpers.netns`) running one
+two hot spares, each host a network namespace (:mod:`torchrelay.netns`) running one
 ``torchrelay run`` launcher, the control plane on the bridge. The multi-host e2e tests and
 ``python -m tests.bench multihost`` share it."""
 

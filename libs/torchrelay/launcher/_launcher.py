@@ -68,6 +68,7 @@ from torchrelay.launcher._setup import (
     slot_of,
     with_process_defaults,
 )
+from torchrelay.runtime import without_installed_services
 
 
 class Launcher:
@@ -113,6 +114,7 @@ class Launcher:
         # The customer's code gets its job credential and nothing of the stack's.
         env = {k: v for k, v in os.environ.items() if k not in STACK_ONLY_ENV}
         env.update(self.opts.extra_env)
+        env = without_installed_services(env)
         env = with_process_defaults(env)
         env.update(
             {
