@@ -2,9 +2,9 @@
 
 ``kill`` and ``hang`` act on the process that holds a rank: the job's launcher is asked over
 NATS (``Subjects.launcher(job, "pid")``) which member holds the rank in the current
-generation and what its pid is, and that process gets SIGKILL or SIGSTOP. The launcher's
-workers run on this machine (simulated slots), so the signal is sent from here; run the
-command on the machine where ``torchrelay run`` runs.
+generation and what its pid is, and that process gets SIGKILL or SIGSTOP. The signal is
+sent from here, so run the command on the machine of the rank's host: a rank on another
+machine (the launcher's boot id differs) is refused, naming its host.
 
 Every other fault kind (``xid``, ``ecc``, ``thermal``, ``remap``, ``nvlink``, ``slow``) is
 injected through the detector's simulator backend: a request on
@@ -24,6 +24,7 @@ from typing import Any
 from torchrelay.bus import Bus, BusError, NoResponder, RpcFailed
 from torchrelay.contract import Subjects
 from torchrelay.launcher import LauncherError, resolve_credentials, resolve_nats_url
+from torchrelay.runtime import machine_id
 
 PROCESS_FAULTS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 EXIT_FAILED = 1
@@ -39,6 +40,17 @@ def node_request(args: argparse.Namespace) -> dict[str, Any]:
         "factor": args.factor,
         "duration": args.duration,
     }
+
+
+def elsewhere(found: dict[str, Any]) -> str | None:
+    """Why the process a launcher reported cannot be signalled from here (its pid is another
+    machine's: a signal here would hit a stranger), or None."""
+    if found.get("machine") in (None, machine_id()):
+        return None
+    return (
+        f"{found.get('member_id')} runs on host {found.get('node')}, another machine: run "
+        "this command there"
+    )
 
 
 async def _lookup_pid(bus: Bus, job_id: str, rank: int) -> dict[str, Any]:
@@ -62,6 +74,10 @@ async def _chaos(args: argparse.Namespace, url: str) -> int:
                 )
                 return EXIT_FAILED
             sig = PROCESS_FAULTS[args.fault]
+            refusal = elsewhere(found)
+            if refusal is not None:
+                print(f"torchrelay chaos: {refusal}", file=sys.stderr)
+                return EXIT_FAILED
             try:
                 os.kill(found["pid"], sig)
             except ProcessLookupError:

@@ -46,6 +46,15 @@ def with_services_path(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([str(root), *rest])}
 
 
+def machine_id() -> str:
+    """This machine's boot id (network namespaces of one machine share it; two hosts never
+    do): whether a pid another process reported is a pid here."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def without_installed_services(env: dict[str, str]) -> dict[str, str]:
     """``env`` without an installed torchrelay's services folder on ``PYTHONPATH`` (an image
     sets it for its services): training code imports its own ``services``, if it has one."""

@@ -68,7 +68,7 @@ from torchrelay.launcher._setup import (
     slot_of,
     with_process_defaults,
 )
-from torchrelay.runtime import without_installed_services
+from torchrelay.runtime import machine_id, without_installed_services
 
 
 class Launcher:
@@ -512,6 +512,8 @@ class Launcher:
             "alive": child.alive,
             "rank": current.member_rank(child.member_id) if current else None,
             "generation": current.generation if current else 0,
+            "node": child.node,
+            "machine": machine_id(),
         }
 
     # ----------------------------------------------------------------- supervision

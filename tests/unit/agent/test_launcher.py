@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from torchrelay.chaos import cmd_chaos, node_request
+from torchrelay.chaos import cmd_chaos, elsewhere, node_request
 from torchrelay.cli import build_parser
 from torchrelay.contract import Role
 from torchrelay.launcher import (
@@ -28,6 +28,7 @@ from torchrelay.launcher import (
     slot_of,
     with_process_defaults,
 )
+from torchrelay.runtime import machine_id
 
 
 def test_exit_codes_say_what_happened() -> None:
@@ -102,6 +103,13 @@ def test_bad_run_arguments_exit_2(
     monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
     assert cmd_run(build_parser().parse_args(argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_chaos_signals_only_processes_of_this_machine() -> None:
+    here = {"member_id": "j-w1", "pid": 4242, "node": "gpu-a", "machine": machine_id()}
+    assert elsewhere(here) is None
+    there = {**here, "node": "gpu-b", "machine": "another-boot-id"}
+    assert elsewhere(there) == "j-w1 runs on host gpu-b, another machine: run this command there"
 
 
 def test_chaos_needs_a_target(capsys: pytest.CaptureFixture[str]) -> None:
