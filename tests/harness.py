@@ -127,6 +127,19 @@ def stop_stack(stack: Stack) -> None:
             stack.proc.wait()
 
 
+def run_command(
+    job_id: str, plan: list[str], steps: int, out: Path, extra: list[str] | None = None
+) -> list[str]:
+    """``torchrelay run PLAN`` of the example script for tenant ``acme``: ``plan`` is the
+    launcher's flags (one host's shortcut, or a host of a job across hosts), ``extra`` the
+    script's."""
+    return [
+        *(sys.executable, "-m", "torchrelay.cli", "run", *plan),
+        *("--job-id", job_id, "--tenant", "acme", str(EXAMPLE)),
+        *("--steps", str(steps), "--out", str(out), "--hidden", "256", *(extra or [])),
+    ]
+
+
 def run_job(
     stack: Stack,
     job_id: str,
@@ -145,33 +158,9 @@ def run_job(
 
     ``extra`` goes to the script, ``run_args`` to ``torchrelay run`` (e.g. ``--wait-timeout``).
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchrelay.cli",
-        "run",
-        "--nproc",
-        str(nproc),
-        "--spares",
-        str(spares),
-        "--job-id",
-        job_id,
-        "--tenant",
-        "acme",
-        "--nodes",
-        str(nodes),
-        "--policy",
-        policy,
-        *(run_args or []),
-        str(EXAMPLE),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-        "--hidden",
-        "256",
-        *(extra or []),
-    ]
+    plan = ["--nproc", str(nproc), "--spares", str(spares), "--nodes", str(nodes)]
+    plan += ["--policy", policy, *(run_args or [])]
+    cmd = run_command(job_id, plan, steps, out, extra)
     log = (out.parent / f"{job_id}.log").open("ab")
     return subprocess.Popen(cmd, env=stack.env(**(env or {})), stdout=log, stderr=subprocess.STDOUT)
 

@@ -194,8 +194,8 @@ class Supervisor:
             if self.auth is not None and redis_host is not None and redis_port is not None:
                 # Each service its own Redis user, limited to its key prefix.
                 env["REDIS_URL"] = self.auth.redis_url(redis_host, redis_port, role=name)
-            log = self.state_dir / "logs" / f"{name}.log"
-            svc = ManagedService(name, port, with_services_path(env), log, host=host)
+            log_file = self.state_dir / "logs" / f"{name}.log"
+            svc = ManagedService(name, port, with_services_path(env), log_file, host=host)
             svc.start()
             self.services[name] = svc
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -458,10 +458,6 @@ def main(argv: list[str] | None = None) -> int:
     return supervise(state_dir_from(args.state_dir))
 
 
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
-
-
 def cmd_service(args: argparse.Namespace) -> int:
     """``torchrelay service NAME [ARGS...]``: run one service as ``python -m services.NAME``
     with the services on its path (they ship inside torchrelay), in place of this process:
@@ -485,3 +481,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", f"services.{args.name}", *rest]
     os.execve(sys.executable, argv, with_services_path(dict(os.environ)))  # noqa: S606
     return 0  # not reached: execve replaces this process
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ from tests.helpers.multihost import (
     WORKER_HOSTS,
     Cluster,
     Job,
+    chaos,
     closed,
     cluster_at,
     committed,
@@ -52,7 +51,6 @@ VICTIM_RANK = 3  # on host h1 across hosts
 LOST_HOST = "h1"
 RUNS_ENV = "TORCHRELAY_BENCH_FAULT_RUNS"
 ARMS = ("one_host_kill", "hosts_kill", "host_loss")
-CHAOS = [sys.executable, "-m", "torchrelay.cli", "chaos"]
 
 
 def _runs() -> int:
@@ -64,18 +62,6 @@ def _runs() -> int:
     if runs < 1:
         raise ValueError(f"{RUNS_ENV}={raw!r}: at least 1 run")
     return runs
-
-
-def _kill_rank(cluster: Cluster, job: Job, rank: int) -> None:
-    done = subprocess.run(
-        [*CHAOS, "kill", "--job", job.job_id, "--rank", str(rank)],
-        env=cluster.stack.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"chaos kill of {job.job_id} rank {rank}: {done.stderr}")
 
 
 def _start(cluster: Cluster, arm: str, job_id: str, fault: bool) -> Job:
@@ -107,7 +93,7 @@ def _one_run(cluster: Cluster, arm: str, index: int, ref: dict[int, str]) -> dic
         lost_host = LOST_HOST
         cluster.net.kill_host(LOST_HOST)
     else:
-        _kill_rank(cluster, job, VICTIM_RANK)
+        chaos(cluster.stack, "kill", "--job", job.job_id, "--rank", str(VICTIM_RANK))
     expected = PER_HOST if arm == "host_loss" else 1
     found = wait_until(lambda: closed(stack, job.job_id, expected), 120, "the incidents")
     closed_s = time.monotonic() - t0

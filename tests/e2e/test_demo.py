@@ -15,11 +15,12 @@ from torchrelay import netns
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_demo_resolves_both_failures_live_with_bitwise_equal_state(tmp_path: Path) -> None:
+def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``torchrelay demo ARGS`` on the embedded default in ``tmp_path``; it must exit 0."""
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     env["TORCHRELAY_HOME"] = str(tmp_path / "home")
     proc = subprocess.run(
-        [sys.executable, "-m", "torchrelay.cli", "demo"],
+        [sys.executable, "-m", "torchrelay.cli", "demo", *args],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -27,6 +28,11 @@ def test_demo_resolves_both_failures_live_with_bitwise_equal_state(tmp_path: Pat
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc
+
+
+def test_demo_resolves_both_failures_live_with_bitwise_equal_state(tmp_path: Path) -> None:
+    proc = run_demo(tmp_path)
     assert "2 of 2" in proc.stdout
     assert "bitwise equal on every rank" in proc.stdout
     summary = json.loads((tmp_path / "home" / "demo" / "summary.json").read_text())
@@ -53,17 +59,7 @@ def test_demo_across_hosts_moves_a_lost_hosts_ranks_to_the_spare_host(tmp_path: 
     why = netns.unavailable()
     if why is not None:
         pytest.skip(f"no network namespaces here: {why}")
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
-    env["TORCHRELAY_HOME"] = str(tmp_path / "home")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchrelay.cli", "demo", "--hosts", "3"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    proc = run_demo(tmp_path, "--hosts", "3")
     assert "host host1 lost" in proc.stdout
     summary = json.loads((tmp_path / "home" / "hosts" / "demo" / "summary.json").read_text())
     assert summary["failures"] == 2

@@ -10,8 +10,6 @@ when it comes back).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,10 +25,11 @@ from tests.helpers.multihost import (
     Cluster,
     Job,
     api_get,
+    chaos,
     closed,
     cluster_at,
-    committed,
     incidents,
+    start_at_step,
     start_job,
     wait_launchers,
 )
@@ -76,23 +75,11 @@ def test_a_host_that_comes_after_the_job_formed_is_refused_with_exit_3(
     assert "host hs is late" in late.log("hs"), late.log("hs")
 
 
-def chaos(stack: Stack, *args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "torchrelay.cli", "chaos", *args],
-        env=stack.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-
-
 def test_a_sigkilled_rank_and_a_gpu_fault_each_move_one_rank_to_the_spare_host(
     cluster: Cluster, reference: dict[int, str]
 ) -> None:
     stack = cluster.stack
-    job = start_job(cluster, "mh-kill")
-    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+    job = start_at_step(cluster, "mh-kill", 15)
     chaos(stack, "kill", "--job", job.job_id, "--rank", "3")
     [killed] = _assert_migrated(stack, job, 1)
     assert (killed["rank"], killed["node"]) == (3, "h1")
@@ -113,8 +100,7 @@ def test_the_loss_of_a_whole_host_under_cpu_load_moves_its_ranks_to_the_spare_ho
     # not pass for a lost host.
     stack = cluster.stack
     with cpu_load("hogs"):
-        job = start_job(cluster, "mh-hostloss")
-        wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+        job = start_at_step(cluster, "mh-hostloss", 15)
         assert cluster.net.kill_host("h1"), "h1 ran nothing"
         survivors = [h for h in WORKER_HOSTS if h != "h1"]
         wait_launchers(job, [*survivors, SPARE_HOST])
@@ -128,8 +114,7 @@ def test_a_partitioned_host_is_replaced_and_its_processes_exit_fenced(
     cluster: Cluster, reference: dict[int, str]
 ) -> None:
     stack = cluster.stack
-    job = start_job(cluster, "mh-partition")
-    wait_until(lambda: committed(stack, job.job_id) >= 15, 240, "step 15")
+    job = start_at_step(cluster, "mh-partition", 15)
     cluster.net.partition("h2")
     cut_at = time.monotonic()
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.harness import EXAMPLE, Stack, start_stack, stop_stack
+from tests.harness import Stack, run_command, start_stack, stop_stack, wait_until
 from torchrelay import netns
 
 WORKER_HOSTS = ["h0", "h1", "h2"]
@@ -21,6 +21,8 @@ SPARE_HOST = "hs"
 PER_HOST = 2
 STEPS = 70
 STEP_SLEEP = "0.05"
+SCRIPT_ARGS = ["--step-sleep", STEP_SLEEP]
+CHAOS = [sys.executable, "-m", "torchrelay.cli", "chaos"]
 CLAIM = "multihost-test-claim-0123456789"
 
 
@@ -45,29 +47,6 @@ class Job:
 
     def all_logs(self) -> str:
         return "\n".join(f"== {h}\n{self.log(h)}" for h in self.launchers)
-
-
-def _run_cmd(job_id: str, out: Path, steps: int, *plan: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torchrelay.cli",
-        "run",
-        *plan,
-        "--job-id",
-        job_id,
-        "--tenant",
-        "acme",
-        str(EXAMPLE),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-        "--hidden",
-        "256",
-        "--step-sleep",
-        STEP_SLEEP,
-    ]
 
 
 def _launcher_env(cluster: Cluster) -> dict[str, str]:
@@ -104,7 +83,9 @@ def start_job(
         )
         plan += ["--node-name", host, "--simulate-gpus"]
         log = (cluster.logs / f"{job_id}-{host}.log").open("ab")
-        job.launchers[host] = cluster.net.spawn(host, _run_cmd(job_id, out, steps, *plan), env, log)
+        job.launchers[host] = cluster.net.spawn(
+            host, run_command(job_id, plan, steps, out, SCRIPT_ARGS), env, log
+        )
     return job
 
 
@@ -117,7 +98,7 @@ def start_one_host_job(cluster: Cluster, job_id: str, spares: int, steps: int = 
     plan = ["--nproc", str(world), "--spares", str(spares), "--nodes", str(len(WORKER_HOSTS))]
     log = (cluster.logs / f"{job_id}-local.log").open("ab")
     proc = subprocess.Popen(
-        _run_cmd(job_id, out, steps, *plan),
+        run_command(job_id, plan, steps, out, SCRIPT_ARGS),
         env=_launcher_env(cluster),
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -169,3 +150,19 @@ def cluster_at(logs: Path) -> Iterator[Cluster]:
             yield Cluster(net, stack, logs)
         finally:
             stop_stack(stack)
+
+
+def start_at_step(cluster: Cluster, job_id: str, step: int, **kwargs: Any) -> Job:
+    """:func:`start_job`, returned once the job has committed ``step`` (a fault's moment)."""
+    job = start_job(cluster, job_id, **kwargs)
+    wait_until(lambda: committed(cluster.stack, job_id) >= step, 240, f"step {step} of {job_id}")
+    return job
+
+
+def chaos(stack: Stack, *args: str) -> None:
+    """``torchrelay chaos ARGS`` against the stack; fails naming its error."""
+    done = subprocess.run(
+        [*CHAOS, *args], env=stack.env(), capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"torchrelay chaos {' '.join(args)}: {done.stderr}")

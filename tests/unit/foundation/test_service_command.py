@@ -40,12 +40,18 @@ def test_an_unknown_service_is_named_with_the_choices(tmp_path: Path) -> None:
     assert "no service 'detectr'; choose one of detector, scheduler" in done.stderr
 
 
+@pytest.fixture
+def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An installed torchrelay's services folder, as :func:`runtime.services_path` finds it."""
+    folder = tmp_path / "site" / "torchrelay" / "_control_plane"
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(runtime, "services_path", lambda: folder)
+    return folder
+
+
 def test_training_processes_lose_only_an_installed_services_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    installed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    installed = tmp_path / "site" / "torchrelay" / "_control_plane"
-    installed.mkdir(parents=True)
-    monkeypatch.setattr(runtime, "services_path", lambda: installed)
     env = {"PYTHONPATH": os.pathsep.join([str(installed), "/user/lib"]), "HOME": "/h"}
     assert runtime.without_installed_services(env) == {"PYTHONPATH": "/user/lib", "HOME": "/h"}
     assert runtime.without_installed_services({"PYTHONPATH": str(installed)}) == {}
@@ -57,11 +63,8 @@ def test_training_processes_lose_only_an_installed_services_folder(
 
 
 def test_the_launcher_keeps_the_installed_services_off_its_training_processes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    installed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    installed = tmp_path / "site" / "torchrelay" / "_control_plane"
-    installed.mkdir(parents=True)
-    monkeypatch.setattr(runtime, "services_path", lambda: installed)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.py").write_text("")
     monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
