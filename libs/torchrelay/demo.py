@@ -420,13 +420,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
         return 2
     names = [f"host{i}" for i in range(hosts - 1)] + [SPARE_HOST]
-    with netns.network(names) as network:
-        console.print(
-            f"hosts: {', '.join(f'{h} {network.hosts[h].address}' for h in names)} "
-            f"(network namespaces on bridge {network.bridge} {network.gateway})"
-        )
-        # Its own stack, listening on the bridge, beside any stack of this state dir.
-        return _demo(Demo(state_dir / "hosts", console, network), console)
+    try:
+        with netns.network(names) as network:
+            return _demo_on(network, names, state_dir, console)
+    except netns.NetworkError as exc:
+        print(f"torchrelay demo: the hosts' network could not be made: {exc}", file=sys.stderr)
+        return 2
+
+
+def _demo_on(network: netns.Network, names: list[str], state_dir: Path, console: Console) -> int:
+    console.print(
+        f"hosts: {', '.join(f'{h} {network.hosts[h].address}' for h in names)} "
+        f"(network namespaces on bridge {network.bridge} {network.gateway})"
+    )
+    # Its own stack, listening on the bridge, beside any stack of this state dir.
+    return _demo(Demo(state_dir / "hosts", console, network), console)
 
 
 def _demo(demo: Demo, console: Console) -> int:

@@ -23,8 +23,15 @@ from typing import IO
 SUBNET = "10.213.{net}"
 
 
+class NetworkError(RuntimeError):
+    """An ``ip`` command that builds or changes the hosts' network failed; names it."""
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if check and done.returncode != 0:
+        raise NetworkError(f"ip {' '.join(args)} failed: {done.stderr.strip() or done.returncode}")
+    return done
 
 
 def unavailable() -> str | None:
