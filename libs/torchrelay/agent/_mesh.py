@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore
 
+from torchrelay.agent._group import GRAVEYARD, Abandoned, CollectiveError, Wakeup, wait_work
+
 BACKEND_NAME = "torchrelay"
 
 # The collectives FSDP2, DTensor and the functional collectives issue, and the rest of the
@@ -72,6 +74,9 @@ class RelayGroup(dist.ProcessGroup):
         self._name: str | None = None
         self._inner: Any = None
         self.generation = 0
+        # The registry that watches the job's generations: None for a group used on its
+        # own (collectives then raise as over torch's groups).
+        self.registry: MeshGroups | None = None
 
     @property
     def key(self) -> str:
@@ -111,9 +116,70 @@ class RelayGroup(dist.ProcessGroup):
         return self._inner
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+class RelayWork(dist.Work):
+    """A collective of a :class:`RelayGroup`: waiting never raises into the script.
+
+    The wait watches the job's generations: when the collective fails (a peer vanished)
+    or a newer generation means leaving it, the generation is poisoned
+    (:attr:`MeshGroups.poisoned`), the collective's outputs are zeroed, and the wait
+    returns. The script's forward, backward and optimizer step run on to the step's end,
+    where the agent sees the poison and the step does not commit (docs/design.md §12).
+    """
+
+    def __init__(self, groups: MeshGroups, work: Any, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._groups, self._work, self._outputs = groups, work, outputs
+
+    def wait(self, timeout: Any = None) -> bool:
+        work, self._work = self._work, None
+        if work is None:
+            return True
+        try:
+            wait_work(work, self._groups.wakeup, self._groups.stale)
+        except (Abandoned, CollectiveError) as exc:
+            GRAVEYARD.keep(work, in_flight=True)  # it may still write into its buffers
+            self._groups.poison(exc)
+            for t in self._outputs:
+                t.zero_()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        self.wait()
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        fut.set_result(self._outputs)
+        return fut
+
+
 def _forward(name: str) -> Callable[..., Any]:
     def call(self: RelayGroup, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.inner, name)(*args, **kwargs)
+        groups = self.registry
+        # What a poisoned collective leaves in its outputs: zeros (a send's buffer is the
+        # script's own and stays as it is).
+        outputs = [] if name == "send" or not args else _tensors(args[0])
+        if groups is None:
+            return getattr(self.inner, name)(*args, **kwargs)
+        if groups.poisoned is None:
+            try:
+                return RelayWork(groups, getattr(self.inner, name)(*args, **kwargs), outputs)
+            except RuntimeError as exc:  # the group refused it: it is broken
+                groups.poison(CollectiveError(f"{name} could not start: {exc}"))
+        for t in outputs:
+            t.zero_()
+        return RelayWork(groups, None, outputs)
 
     call.__name__ = name
     return call
@@ -148,12 +214,31 @@ class MeshGroups:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.groups: list[RelayGroup] = []
+        self.wakeup = Wakeup()
+        self.stale: Callable[[], bool] = lambda: False
+        self.poisoned: BaseException | None = None
+        self.watching = False
+
+    def watch(self, wakeup: Wakeup, stale: Callable[[], bool]) -> None:
+        """Wait on collectives as the agent waits on its own: woken by ``wakeup``, left
+        when ``stale()`` (a newer generation); failures poison instead of raising."""
+        self.wakeup, self.stale, self.watching = wakeup, stale, True
+        with self._lock:
+            for group in self.groups:
+                group.registry = self
+
+    def poison(self, exc: BaseException) -> None:
+        """The current generation's collectives failed or were left: skip the rest."""
+        if self.poisoned is None:
+            self.poisoned = exc
 
     def create(self, opts: Any, _backend_options: Any = None) -> RelayGroup:
         """The ``torchrelay`` backend's creator (``dist.Backend.register_backend``)."""
         group = RelayGroup(opts.group_rank, opts.group_size, list(opts.global_ranks_in_group))
         with self._lock:
             self.groups.append(group)
+            if self.watching:
+                group.registry = self
         return group
 
     def init_default(self, rank: int, world_size: int) -> RelayGroup:
@@ -199,6 +284,7 @@ class MeshGroups:
         """
         with self._lock:
             groups = list(self.groups)
+        self.poisoned = None  # a new generation: its collectives start afresh
         for group in groups:
             prefixed = PrefixStore(f"mesh/{group.key}", store)
             backend = make_backend(prefixed, group.rank(), group.size())
@@ -214,6 +300,7 @@ __all__ = [
     "MESH_GROUPS",
     "MeshGroups",
     "RelayGroup",
+    "RelayWork",
     "UnboundGroupError",
     "wrap_backend",
 ]

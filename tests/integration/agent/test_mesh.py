@@ -68,3 +68,51 @@ def test_sharded_training_over_rebound_groups_equals_stock_groups() -> None:
         assert stock[(name, 0)] == stock[(name, 2)]
         assert stock[(name, 1)] == stock[(name, 3)]
         assert stock[(name, 0)] != stock[(name, 1)]
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"), [("kill", "CollectiveError"), ("stop", "Abandoned")]
+)
+def test_a_lost_peer_poisons_the_generation_without_raising_into_the_loop(
+    fault: str, expected: str, tmp_path: Path
+) -> None:
+    """Killed, the peer's socket closes and the collective fails; stopped, it hangs until a
+    newer generation (here: the stale file) means leaving it. Either way the survivor's
+    forward, backward, clipping and optimizer step run to the end of the step."""
+    port, stale = _free_port(), tmp_path / "stale"
+    env = {
+        **os.environ,
+        "MESH_PORT": str(port),
+        "POISON_FAULT": fault,
+        "POISON_STALE_FILE": str(stale),
+        "TORCH_GLOO_LAZY_INIT": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    script = str(SCRIPT.with_name("poison_script.py"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        assert procs[0].stdout is not None
+        lines = []
+        for line in procs[0].stdout:
+            lines.append(line)
+            if line.startswith("ready") and fault == "stop":
+                stale.touch()  # the newer generation a stopped peer never joins
+        out = "".join(lines)
+        assert procs[0].wait(timeout=60) == 0, out[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert "step 0 poisoned NoneType" in out
+    assert f"step 1 poisoned {expected}" in out
+    assert "probe [0.0, 0.0, 0.0]" in out
