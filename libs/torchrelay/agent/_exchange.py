@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torchrelay.agent._agree import find_divergence
 from torchrelay.agent._errors import AgentError, DivergenceError
 from torchrelay.agent._group import GRAVEYARD, Abandoned, CollectiveError
+from torchrelay.agent._mesh import MESH_GROUPS
 from torchrelay.agent._recovery import Recovery
 from torchrelay.agent._state import outside_state, restore_outside_state
 from torchrelay.contract import Generation, ReportKind, make_event_id
@@ -64,7 +65,7 @@ class GradientExchange(Recovery):
             self._collective_failed(gen, self._current_rank(), exc)
             return False
         done = int(flag.item()) >= gen.world_size * (max_steps - 1)
-        if done and self.verify_every and not self._verify(gen, pg):
+        if done and self.verify_every and not self._sharded and not self._verify(gen, pg):
             return False  # the check was cut short by a new generation: agree again there
         return done
 
@@ -102,10 +103,44 @@ class GradientExchange(Recovery):
         if after is None:
             return
         gen, step, switch = after
-        if self.verify_every and (step + 1) % self.verify_every == 0 and self._pg is not None:
+        if (
+            self.verify_every
+            and not self._sharded
+            and (step + 1) % self.verify_every == 0
+            and self._pg is not None
+        ):
             self._verify(gen, self._pg)
         if switch:
             self._switch_at_boundary(gen)
+
+    def _commit_sharded(self, step: int, params: list[torch.nn.Parameter]) -> bool:
+        """A sharded step's commit: FSDP2 reduced the gradients over the mesh's groups; the
+        step commits when no collective of this generation was poisoned and every rank
+        reaches the agreement (which also carries a boundary switch, as the buckets do)."""
+        gen, pg, rank = self._gen, self._pg, self._current_rank()
+        assert gen is not None
+        poisoned = MESH_GROUPS.poisoned
+        switch = False
+        if poisoned is None:
+            with self._lock:
+                wanted = self._latest is not None and self._latest.generation > gen.generation
+            flag = torch.tensor([1.0 if wanted else 0.0], device=self.backend.device)
+            try:
+                self._run(pg.allreduce([flag], dist.AllreduceOptions()), pg, self._stale(gen))
+                switch = bool(flag.item() > 0)
+            except (Abandoned, CollectiveError) as exc:
+                poisoned = exc
+        if poisoned is not None:
+            self._regroup = True
+            if isinstance(poisoned, CollectiveError):
+                self._collective_failed(gen, rank, poisoned)
+            self._discard(params)
+            return False
+        if self._exiting:
+            self._fence("a newer generation does not name this member")
+        self._commit(step, gen)
+        self._after = (gen, step, switch)
+        return True
 
     def _keeps_gradients(self, old: Generation) -> bool:
         """Enter the next generation from inside a step; True if this step's gradients hold.

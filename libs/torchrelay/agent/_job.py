@@ -20,12 +20,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchrelay.agent._data import StepBatchSampler, seed_step
 from torchrelay.agent._errors import AgentError
 from torchrelay.agent._exchange import GradientExchange
 from torchrelay.agent._feed import make_feed
 from torchrelay.agent._group import Abandoned, CollectiveError
+from torchrelay.agent._mesh import MESH_GROUPS
 from torchrelay.agent._state import Stateful, state_digest, warm_serialization
 from torchrelay.contract import ReportKind, Role, make_event_id
 
@@ -105,6 +107,51 @@ class Job(GradientExchange):
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"job.track({name}=...) needs state_dict() and load_state_dict()")
             self._tracked[name] = obj
+
+    def device_mesh(
+        self, shape: int | tuple[int, ...], *, mesh_dim_names: tuple[str, ...] | None = None
+    ) -> DeviceMesh:
+        """A ``DeviceMesh`` over the job's ranks, for ``fully_shard`` (FSDP2, HSDP with a
+        2-D mesh) and DTensor tensor parallelism; call it after :func:`init`, on every
+        rank, instead of ``dist.init_process_group`` and ``init_device_mesh``.
+
+        Its process groups (and ``torch.distributed``'s default group, which it sets up)
+        are torchrelay's: each generation rebinds them to its own gloo/NCCL group, so the
+        sharded model and its optimizer outlive a migration's regrouping. FSDP2 reduces the
+        gradients itself; :meth:`reduce_gradients` then only commits the step. A fault that
+        needs a rank's shard restored stops the job with an error for now (docs/design.md
+        §12 says what is still to come).
+        """
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+            raise ValueError(f"job.device_mesh needs positive whole dimensions, got {shape!r}")
+        size = 1
+        for d in dims:
+            size *= d
+        if size != self.world_size:
+            raise ValueError(
+                f"job.device_mesh{dims} spans {size} ranks but the job has {self.world_size}"
+            )
+        try:
+            MESH_GROUPS.init_default(self.rank, self.world_size)
+        except RuntimeError as exc:
+            raise AgentError(str(exc)) from None
+        MESH_GROUPS.watch(self._wakeup, self._mesh_stale)
+        self._sharded = True
+        mesh = init_device_mesh(self.device.type, dims, mesh_dim_names=mesh_dim_names)
+        if self._gen is not None and self._pg is not None:  # built after the group formed
+            MESH_GROUPS.rebind(
+                self._gen.generation,
+                self._store_factory(self._gen)(),
+                self.backend.make_group,
+                self.backend.device,
+            )
+        return mesh
+
+    def _mesh_stale(self) -> bool:
+        """Whether the mesh's collectives must be left: a newer immediate generation."""
+        gen = self._gen
+        return self._exiting or (gen is not None and self._latest_immediate > gen.generation)
 
     def sampler(
         self, dataset: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True
@@ -229,6 +276,8 @@ class Job(GradientExchange):
             if p.requires_grad
         ]
         params = list(dict.fromkeys(params))  # a parameter shared by two optimizers: once
+        if self._sharded:
+            return self._commit_sharded(step, params)
         if self._pending is not None:
             gen = self._gen
             assert gen is not None

@@ -94,6 +94,8 @@ class Member:
         self._step_time: float | None = None
         self._step_started: float | None = None
         self._finished = False
+        # A job whose model is sharded over job.device_mesh() (docs/design.md §12).
+        self._sharded = False
         self._exit_status = 0
         # Where to append this member's recovery timeline (wall-clock phases), if anywhere.
         timeline = os.environ.get("TORCHRELAY_AGENT_TIMELINE")

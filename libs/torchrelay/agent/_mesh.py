@@ -286,6 +286,8 @@ class MeshGroups:
             groups = list(self.groups)
         self.poisoned = None  # a new generation: its collectives start afresh
         for group in groups:
+            if group.generation == generation:
+                continue  # bound already (a second mesh built in the same generation)
             prefixed = PrefixStore(f"mesh/{group.key}", store)
             backend = make_backend(prefixed, group.rank(), group.size())
             group.bind(

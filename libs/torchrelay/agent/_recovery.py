@@ -20,6 +20,7 @@ from torchrelay.agent._group import (
     wait_work,
 )
 from torchrelay.agent._hooks import ProcessHooks
+from torchrelay.agent._mesh import MESH_GROUPS
 from torchrelay.agent._state import (
     PendingState,
     ReceiveTargets,
@@ -150,6 +151,13 @@ class Recovery(ProcessHooks):
                 self._collective_failed(gen, rank, exc)
                 continue
             self._gen, self._pg, self._rank = gen, pg, rank
+            if self._sharded:
+                MESH_GROUPS.rebind(
+                    gen.generation,
+                    self._store_factory(gen)(),
+                    self.backend.make_group,
+                    self.backend.device,
+                )
             self._mark("group_formed", generation=gen.generation)
             try:
                 # Once the group formed every member is in it: like a step, the sync is
@@ -188,6 +196,15 @@ class Recovery(ProcessHooks):
         best = max(steps)
         if best == NO_STATE:
             raise AgentError(f"no member of generation {gen.generation} holds any state")
+        if self._sharded:
+            if any(s != best for s in steps):
+                # Any holder's state is not the lost rank's shard: refuse, never load it.
+                raise AgentError(
+                    f"generation {gen.generation} needs a rank's sharded state restored "
+                    f"(committed steps {steps}); restoring a shard live is not supported "
+                    "yet: the job stops instead of training on a wrong shard"
+                )
+            return 0  # each rank keeps its own shard; DDP's start does not apply
         # Before the first commit: DDP's start; after it, the holders of the newest step.
         if best < 0:
             coll = self._collectives(pg, rank, stale)

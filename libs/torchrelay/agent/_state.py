@@ -369,9 +369,16 @@ def receive_locally(
     return unpack_state(skeleton, targets.tensors, tracked_to), targets.tensors
 
 
+def local_view(value: torch.Tensor) -> torch.Tensor:
+    """This rank's own bits of a tensor: a DTensor's local shard (reading the whole
+    DTensor would be a collective), any other tensor as it is."""
+    local = getattr(value, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else value
+
+
 def _feed(h: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
+        t = local_view(value).detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif isinstance(value, Mapping):
@@ -415,7 +422,7 @@ def state_leaves(tracked: Mapping[str, Stateful]) -> list[tuple[str, Any]]:
 
 def _tensor_bytes(t: torch.Tensor) -> Any:
     """A buffer of a tensor's exact bits (no copy for a contiguous CPU tensor)."""
-    t = t.detach()
+    t = local_view(t).detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
