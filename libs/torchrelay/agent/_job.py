@@ -140,12 +140,7 @@ class Job(GradientExchange):
         self._sharded = True
         mesh = init_device_mesh(self.device.type, dims, mesh_dim_names=mesh_dim_names)
         if self._gen is not None and self._pg is not None:  # built after the group formed
-            MESH_GROUPS.rebind(
-                self._gen.generation,
-                self._store_factory(self._gen)(),
-                self.backend.make_group,
-                self.backend.device,
-            )
+            self._rebind_mesh(self._gen)
         return mesh
 
     def _mesh_stale(self) -> bool:

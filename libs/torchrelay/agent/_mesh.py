@@ -1,4 +1,4 @@
-"""Process groups for sharded jobs that outlive a generation (docs/design.md §4).
+"""Process groups for sharded jobs that outlive a generation (docs/design.md §12).
 
 FSDP2, DTensor and ``DeviceMesh`` keep the process groups they were built with for the
 module's whole life, while torchrelay forms a new gloo/NCCL group for every generation.
@@ -167,11 +167,11 @@ class RelayWork(dist.Work):
 def _forward(name: str) -> Callable[..., Any]:
     def call(self: RelayGroup, *args: Any, **kwargs: Any) -> Any:
         groups = self.registry
+        if groups is None:
+            return getattr(self.inner, name)(*args, **kwargs)
         # What a poisoned collective leaves in its outputs: zeros (a send's buffer is the
         # script's own and stays as it is).
         outputs = [] if name == "send" or not args else _tensors(args[0])
-        if groups is None:
-            return getattr(self.inner, name)(*args, **kwargs)
         if groups.poisoned is None:
             try:
                 return RelayWork(groups, getattr(self.inner, name)(*args, **kwargs), outputs)

@@ -152,12 +152,7 @@ class Recovery(ProcessHooks):
                 continue
             self._gen, self._pg, self._rank = gen, pg, rank
             if self._sharded:
-                MESH_GROUPS.rebind(
-                    gen.generation,
-                    self._store_factory(gen)(),
-                    self.backend.make_group,
-                    self.backend.device,
-                )
+                self._rebind_mesh(gen)
             self._mark("group_formed", generation=gen.generation)
             try:
                 # Once the group formed every member is in it: like a step, the sync is
@@ -178,6 +173,12 @@ class Recovery(ProcessHooks):
                 "step": self._committed + 1,
             }
             return
+
+    def _rebind_mesh(self, gen: Generation) -> None:
+        """Bind the mesh's groups (job.device_mesh) to transports of generation ``gen``."""
+        MESH_GROUPS.rebind(
+            gen.generation, self._store_factory(gen)(), self.backend.make_group, self.backend.device
+        )
 
     def _sync_state(self, gen: Generation, pg: Any, rank: int, stale: Callable[[], bool]) -> int:
         """Agree on the highest committed step; its holders send their state below it.

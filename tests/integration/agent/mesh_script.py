@@ -5,7 +5,6 @@ a sha256 of each model's local shards and optimizer state after training."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 from typing import Any
 
@@ -14,7 +13,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -23,24 +21,10 @@ from torch.distributed.tensor.parallel import (
 
 from torchrelay.agent._group import Backend
 from torchrelay.agent._mesh import MESH_GROUPS
+from torchrelay.agent._state import local_view, state_digest
 
 STEPS = 6
 REBIND_AT = 3
-
-
-def local(t: Any) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for key, value in sorted(model.state_dict().items()):
-        h.update(key.encode())
-        h.update(local(value).detach().contiguous().numpy().tobytes())
-    for state in opt.state.values():
-        for key in sorted(state):
-            h.update(local(state[key]).detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def build() -> torch.nn.Sequential:
@@ -68,14 +52,14 @@ def train(name: str, mesh: Any, rank: int, rebind: Any) -> str:
         loss.backward()
         if name == "tp":  # data parallel over the replicas: the mean of the local grads
             for p in model.parameters():
-                g = local(p.grad)
+                g = local_view(p.grad)
                 dist.all_reduce(g, group=dp)
                 g.div_(mesh["dp"].size())
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
-    return digest(model, opt)
+    return state_digest({"model": model, "optimizer": opt})
 
 
 def main() -> None:
