@@ -1,20 +1,32 @@
 """A sharded training script on torchrelay's documented API (run under ``torchrelay run``).
 
-FSDP2 over ``job.device_mesh``: ``TR_MESH=fsdp`` (1-D, every rank its own shard) or
-``hsdp`` (2 replicas of world/2 shards). ``TR_STEPS`` steps of AdamW with the global gradient
-clipped. At the end each rank writes <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the
-sha256 of its tracked state (its shards).
+``TR_MESH`` picks the parallelism over ``job.device_mesh``: ``fsdp`` (FSDP2, 1-D, every
+rank its own shard), ``hsdp`` (FSDP2 over 2 replicas of world/2 shards) or ``tp`` (tensor
+parallel over world/2 ranks inside 2 data-parallel replicas, whose gradients the script
+averages itself over the mesh's ``dp`` group, its inputs drawn from the step and the
+replica so that both ranks of a TP group see the same batch). ``TR_STEPS`` steps of AdamW,
+the global gradient clipped for FSDP2 (at a norm low enough that it always clips).
+
+``TR_KILL_AT=POINT:STEP:RANK`` kills the worker started as RANK at a point of a step the
+script reaches itself (:func:`maybe_die`); ``TR_CORRUPT_RANK=r`` perturbs rank r's shard
+after step 4 (what the divergence guard must catch). At the end each rank writes
+<TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of its tracked state (its
+shards).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import TensorDataset
 
 torch.set_num_threads(1)
@@ -26,27 +38,68 @@ run_dir = Path(os.environ["TORCHRELAY_RUN_DIR"])
 member = os.environ["TORCHRELAY_MEMBER_ID"]
 
 job = torchrelay.init()
-if os.environ.get("TR_MESH", "fsdp") == "fsdp":
+kind = os.environ.get("TR_MESH", "fsdp")
+half = (2, job.world_size // 2)
+if kind == "fsdp":
     mesh = job.device_mesh(job.world_size, mesh_dim_names=("shard",))
+elif kind == "hsdp":
+    mesh = job.device_mesh(half, mesh_dim_names=("replicate", "shard"))
 else:
-    mesh = job.device_mesh((2, job.world_size // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = job.device_mesh(half, mesh_dim_names=("dp", "tp"))
 torch.manual_seed(1234)
 model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-for layer in model:
-    if isinstance(layer, nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
+if kind == "tp":
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+else:
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 job.track(model=model, optimizer=optimizer)
 
+
+kill_at = tuple(os.environ.get("TR_KILL_AT", "::").split(":"))
+
+
+def maybe_die(point: str, step: int) -> None:
+    """A worker SIGKILLs itself at POINT of STEP if it holds RANK of ``TR_KILL_AT`` (a
+    spare that takes the rank over does not)."""
+    worker = os.environ.get("TORCHRELAY_ROLE", "worker") == "worker"
+    if worker and (point, str(step), str(job.rank)) == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 g = torch.Generator().manual_seed(7)
 data = TensorDataset(torch.randn(512, 16, generator=g), torch.randn(512, 1, generator=g))
-for _step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
+for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
+    if kind == "tp":  # one batch per replica: the TP group's ranks must see the same input
+        replica = job.rank // half[1]
+        step_gen = torch.Generator().manual_seed(10_000 * step + replica)
+        x, y = torch.randn(8, 16, generator=step_gen), torch.randn(8, 1, generator=step_gen)
+    maybe_die("forward", step)
     loss = nn.functional.mse_loss(model(x), y)
+    maybe_die("backward", step)
     loss.backward()
+    if kind == "tp":
+        for p in model.parameters():
+            grad = local(p.grad)
+            dist.all_reduce(grad, group=mesh.get_group("dp"))
+            grad.div_(half[0])
     if job.reduce_gradients(optimizer):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        maybe_die("clip", step)
+        if kind != "tp":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        maybe_die("optimizer", step)
         optimizer.step()
+        maybe_die("after", step)
+        if os.environ.get("TR_CORRUPT_RANK") == str(job.rank) and step == 4:
+            with torch.no_grad():  # one bit of drift in this rank's shard (the guard's test)
+                local(next(model.parameters())).view(-1)[0] += 1.0
     optimizer.zero_grad()
 
 digest = job.state_digest()

@@ -5,7 +5,8 @@
 - Before the first commit, DDP's start: every rank whose state differs from the reference's
   receives it (:func:`start_sources`); a rank that tracks other names, shapes or dtypes stops
   the job.
-- The divergence guard: every rank's state is compared (:func:`find_divergence`).
+- The divergence guard: every rank's state is compared with rank 0's, or in a sharded job
+  with its shard class's first rank (:func:`find_divergence`).
 
 Comparisons cost one all-gather of fixed-size digests; only when they differ are the
 per-entry lists of two ranks broadcast, so every rank names the same first entry.
@@ -147,23 +148,30 @@ def start_sources(
 
 @dataclass(frozen=True)
 class Divergence:
-    """Ranks whose tracked state differs from rank 0's, and the first entry that does."""
+    """Ranks whose tracked state differs from their reference's, and the first entry that
+    does (for the first of them, against ``reference``)."""
 
     ranks: list[int]
     path: str
+    reference: int = 0
 
 
 def find_divergence(
-    coll: Collectives, tracked: Mapping[str, Stateful], step: int
+    coll: Collectives,
+    tracked: Mapping[str, Stateful],
+    step: int,
+    classes: list[int] | None = None,
 ) -> Divergence | None:
-    """Compare every rank's tracked state (and committed step) with rank 0's."""
+    """Compare every rank's tracked state (and committed step) with rank 0's, or in a
+    sharded job with the first rank of its shard class (``classes``, one per rank)."""
     entries: Entries = [("step", str(step)), *leaf_digests(tracked)]
     seen = coll.allgather_bytes(digest_of(entries))
-    odd = [r for r, d in enumerate(seen) if d != seen[0]]
+    refs = classes if classes is not None else [0] * len(seen)
+    odd = [r for r, d in enumerate(seen) if d != seen[refs[r]]]
     if not odd:
         return None
-    path, _, _ = coll.first_difference(0, odd[0], entries)
-    return Divergence(odd, path)
+    path, _, _ = coll.first_difference(refs[odd[0]], odd[0], entries)
+    return Divergence(odd, path, refs[odd[0]])
 
 
 def _pairs(value: Any) -> Entries:

@@ -8,7 +8,10 @@ makes member ``MEMBER`` send itself ``SIGNAL`` (``KILL``, the default, or ``STOP
 - ``send_state``: a recovery source has posted every send of its state to the ranks below it
   (``STEP`` is the step the job resumes at);
 - ``recv_state``: a rank has the header of the state it receives and has posted the receives
-  of the tensors.
+  of the tensors;
+- ``optimizer``: a sharded step's ``reduce_gradients`` returns True (its peers go on into
+  the optimizer step and its collectives);
+- ``commit``: a sharded step's optimizer step is done and its commit agreement is next.
 
 Points a script reaches itself (forward, backward, the optimizer step, between steps, a
 spare's warm-up) are left to the script.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("allreduce", "send_state", "recv_state")
+POINTS = ("allreduce", "send_state", "recv_state", "optimizer", "commit")
 ENV = "TORCHRELAY_CHAOS_POINT"
 
 

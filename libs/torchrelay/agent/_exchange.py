@@ -15,7 +15,12 @@ from torchrelay.agent._errors import AgentError, DivergenceError
 from torchrelay.agent._group import GRAVEYARD, Abandoned, CollectiveError
 from torchrelay.agent._mesh import MESH_GROUPS
 from torchrelay.agent._recovery import Recovery
-from torchrelay.agent._state import outside_state, restore_outside_state
+from torchrelay.agent._state import (
+    outside_state,
+    restore_outside_state,
+    restore_snapshot,
+    take_snapshot,
+)
 from torchrelay.contract import Generation, ReportKind, make_event_id
 
 HEARTBEAT_MIN_INTERVAL_S = 0.2  # step heartbeats: at most 5 per second
@@ -65,7 +70,7 @@ class GradientExchange(Recovery):
             self._collective_failed(gen, self._current_rank(), exc)
             return False
         done = int(flag.item()) >= gen.world_size * (max_steps - 1)
-        if done and self.verify_every and not self._sharded and not self._verify(gen, pg):
+        if done and self.verify_every and not self._verify(gen, pg):
             return False  # the check was cut short by a new generation: agree again there
         return done
 
@@ -98,49 +103,85 @@ class GradientExchange(Recovery):
             raise
 
     def _end_step(self) -> None:
-        """After the loop's optimizer step: the divergence guard, a boundary switch."""
+        """After the loop's optimizer step: a sharded step's commit, the divergence guard,
+        a boundary switch."""
+        self._commit_sharded()
         after, self._after = self._after, None
         if after is None:
             return
         gen, step, switch = after
-        if (
-            self.verify_every
-            and not self._sharded
-            and (step + 1) % self.verify_every == 0
-            and self._pg is not None
-        ):
+        if self.verify_every and (step + 1) % self.verify_every == 0 and self._pg is not None:
             self._verify(gen, self._pg)
         if switch:
             self._switch_at_boundary(gen)
 
-    def _commit_sharded(self, step: int, params: list[torch.nn.Parameter]) -> bool:
-        """A sharded step's commit: FSDP2 reduced the gradients over the mesh's groups; the
-        step commits when no collective of this generation was poisoned and every rank
-        reaches the agreement (which also carries a boundary switch, as the buckets do)."""
-        gen, pg, rank = self._gen, self._pg, self._current_rank()
+    def _prepare_sharded(self, step: int, params: list[torch.nn.Parameter]) -> bool:
+        """A sharded step's ``reduce_gradients``: FSDP2 reduced the gradients over the mesh's
+        groups. Unless one of this generation's collectives was poisoned, copy the state
+        the step starts from and let the loop run its optimizer step; the step commits at
+        the next step boundary (:meth:`_commit_sharded`), because the optimizer step itself
+        runs collectives (``clip_grad_norm_``'s all-reduce) a fault can poison."""
+        gen = self._gen
         assert gen is not None
         poisoned = MESH_GROUPS.poisoned
-        switch = False
-        if poisoned is None:
-            with self._lock:
-                wanted = self._latest is not None and self._latest.generation > gen.generation
-            flag = torch.tensor([1.0 if wanted else 0.0], device=self.backend.device)
-            try:
-                self._run(pg.allreduce([flag], dist.AllreduceOptions()), pg, self._stale(gen))
-                switch = bool(flag.item() > 0)
-            except (Abandoned, CollectiveError) as exc:
-                poisoned = exc
         if poisoned is not None:
             self._regroup = True
             if isinstance(poisoned, CollectiveError):
-                self._collective_failed(gen, rank, poisoned)
+                self._collective_failed(gen, self._current_rank(), poisoned)
             self._discard(params)
             return False
+        self._snapshot = take_snapshot(self._tracked, self._snapshot)
+        self._uncommitted = (gen, step, params)
+        self._chaos.hit("optimizer", step)
+        return True
+
+    def _commit_sharded(self) -> None:
+        """After a sharded step's optimizer step: one agreement over the job's group, which
+        carries every rank's poison and a boundary switch (as the buckets do). The step
+        commits everywhere when no rank saw a poisoned collective; otherwise every rank puts
+        its snapshot back and the step is yielded again (docs/design.md §12)."""
+        pending, self._uncommitted = self._uncommitted, None
+        if pending is None:
+            return
+        gen, step, params = pending
+        pg, rank = self._pg, self._current_rank()
+        poisoned = MESH_GROUPS.poisoned
+        self._chaos.hit("commit", step)
+        with self._lock:
+            wanted = self._latest is not None and self._latest.generation > gen.generation
+        vote = torch.tensor(
+            [1.0 if wanted else 0.0, 1.0 if poisoned is not None else 0.0],
+            device=self.backend.device,
+        )
+        failed: BaseException | None = poisoned
+        peer_failed = False
+        try:
+            if pg is None:
+                raise Abandoned
+            self._run(pg.allreduce([vote], dist.AllreduceOptions()), pg, self._stale(gen))
+            peer_failed = vote[1].item() > 0
+        except (Abandoned, CollectiveError) as exc:
+            failed = failed or exc
+        if failed is not None or peer_failed:
+            snap, self._snapshot = self._snapshot, None  # the optimizer may now hold it
+            assert snap is not None
+            restore_snapshot(snap, self._tracked, self._mesh)
+            self._regroup = True
+            self._discard(params)
+            self._rollback = None  # the snapshot put back what the loop changed too
+            if isinstance(failed, CollectiveError):
+                self._collective_failed(gen, rank, failed)
+            else:  # left for a newer generation, or a peer's collective failed: one comes
+                self._wakeup.wait_for(
+                    lambda: self._latest is not None and self._latest.generation > gen.generation,
+                    lambda: False,
+                    slice_s=5.0,
+                )
+            return
         if self._exiting:
             self._fence("a newer generation does not name this member")
         self._commit(step, gen)
-        self._after = (gen, step, switch)
-        return True
+        self._after = (gen, step, bool(vote[0].item() > 0))
 
     def _keeps_gradients(self, old: Generation) -> bool:
         """Enter the next generation from inside a step; True if this step's gradients hold.
@@ -188,7 +229,8 @@ class GradientExchange(Recovery):
 
     def _verify(self, gen: Generation, pg: Any) -> bool:
         """The divergence guard: every rank digests its tracked state; any difference stops
-        the job naming the first rank that differs from rank 0 and the first entry.
+        the job naming the first rank that differs from rank 0 (in a sharded job: from the
+        first rank holding the same shard) and the first entry.
 
         Returns False when a collective failed or was left for a newer generation: the
         check is skipped (the next generation's sync starts every rank from one state).
@@ -199,9 +241,9 @@ class GradientExchange(Recovery):
         rank = self._rank
         assert rank is not None
         try:
-            found = find_divergence(
-                self._collectives(pg, rank, self._stale(gen)), self._tracked, self._committed
-            )
+            coll = self._collectives(pg, rank, self._stale(gen))
+            classes = self._shard_classes(coll) if self._sharded else None
+            found = find_divergence(coll, self._tracked, self._committed, classes)
         except Abandoned:
             return False
         except CollectiveError as exc:
@@ -209,11 +251,12 @@ class GradientExchange(Recovery):
             return False
         if found is None:
             return True
+        same = ", which holds the same shard" if self._sharded else ""
         raise DivergenceError(
             f"torchrelay divergence guard: after step {self._committed} in generation "
-            f"{gen.generation} rank {found.ranks[0]}'s tracked state differs from rank 0's, "
-            f"first in {found.path} (ranks that differ: {found.ranks}); the job is stopped "
-            "because its ranks no longer train one model"
+            f"{gen.generation} rank {found.ranks[0]}'s tracked state differs from rank "
+            f"{found.reference}'s{same}, first in {found.path} (ranks that differ: "
+            f"{found.ranks}); the job is stopped because its ranks no longer train one model"
         )
 
     def _commit(self, step: int, gen: Generation) -> None:

@@ -118,9 +118,10 @@ class Job(GradientExchange):
         Its process groups (and ``torch.distributed``'s default group, which it sets up)
         are torchrelay's: each generation rebinds them to its own gloo/NCCL group, so the
         sharded model and its optimizer outlive a migration's regrouping. FSDP2 reduces the
-        gradients itself; :meth:`reduce_gradients` then only commits the step. A fault that
-        needs a rank's shard restored stops the job with an error for now (docs/design.md
-        §12 says what is still to come).
+        gradients itself; :meth:`reduce_gradients` then snapshots the rank's shard and the
+        step commits at the next step boundary. A lost rank gets its shard from a rank that
+        holds the same one (HSDP's replica, a TP shard's data-parallel peer); a shard no
+        survivor holds stops the job with an error (docs/design.md §12).
         """
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
@@ -139,6 +140,7 @@ class Job(GradientExchange):
         MESH_GROUPS.watch(self._wakeup, self._mesh_stale)
         self._sharded = True
         mesh = init_device_mesh(self.device.type, dims, mesh_dim_names=mesh_dim_names)
+        self._mesh = mesh
         if self._gen is not None and self._pg is not None:  # built after the group formed
             self._rebind_mesh(self._gen)
         return mesh
@@ -272,7 +274,7 @@ class Job(GradientExchange):
         ]
         params = list(dict.fromkeys(params))  # a parameter shared by two optimizers: once
         if self._sharded:
-            return self._commit_sharded(step, params)
+            return self._prepare_sharded(step, params)
         if self._pending is not None:
             gen = self._gen
             assert gen is not None

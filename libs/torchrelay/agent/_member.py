@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchrelay import deathlatch
 from torchrelay.agent._chaos import ENV as CHAOS_ENV
@@ -19,7 +20,7 @@ from torchrelay.agent._feed import Feed
 from torchrelay.agent._group import Backend, Wakeup
 from torchrelay.agent._net import NetThread
 from torchrelay.agent._reducer import Reducer
-from torchrelay.agent._state import OutsideState, PendingState, Stateful
+from torchrelay.agent._state import OutsideState, PendingState, Snapshot, Stateful
 from torchrelay.contract import Generation, Role
 
 
@@ -96,6 +97,10 @@ class Member:
         self._finished = False
         # A job whose model is sharded over job.device_mesh() (docs/design.md §12).
         self._sharded = False
+        self._mesh: DeviceMesh | None = None  # job.device_mesh's (sharded jobs)
+        # A sharded step between reduce_gradients and its commit, and the state it began at.
+        self._uncommitted: tuple[Generation, int, list[Any]] | None = None
+        self._snapshot: Snapshot | None = None
         self._exit_status = 0
         # Where to append this member's recovery timeline (wall-clock phases), if anywhere.
         timeline = os.environ.get("TORCHRELAY_AGENT_TIMELINE")

@@ -103,7 +103,12 @@ class RelayGroup(dist.ProcessGroup):
                 f"group {self.key}: generation {generation} binds a group of rank "
                 f"{inner.rank()}/{inner.size()} to rank {self.rank()}/{self.size()}"
             )
-        self._inner, self.generation = inner, generation
+        old, self._inner, self.generation = self._inner, inner, generation
+        if old is not None:
+            # Destroying a gloo group joins its threads, which wait out any collective the
+            # last generation abandoned (up to the collective timeout): never here. (An
+            # abandoned collective's RelayWork already marked the graveyard in flight.)
+            GRAVEYARD.keep(old)
 
     @property
     def inner(self) -> Any:

@@ -21,6 +21,7 @@ from torchrelay.agent._group import (
 )
 from torchrelay.agent._hooks import ProcessHooks
 from torchrelay.agent._mesh import MESH_GROUPS
+from torchrelay.agent._shards import replica_mask, shard_classes, shard_sources
 from torchrelay.agent._state import (
     PendingState,
     ReceiveTargets,
@@ -30,6 +31,7 @@ from torchrelay.agent._state import (
     read_header,
     receive_targets,
     split_by_arrival,
+    state_leaves,
 )
 from torchrelay.contract import Generation, MigrationMode, ReportKind, make_event_id
 
@@ -198,14 +200,7 @@ class Recovery(ProcessHooks):
         if best == NO_STATE:
             raise AgentError(f"no member of generation {gen.generation} holds any state")
         if self._sharded:
-            if any(s != best for s in steps):
-                # Any holder's state is not the lost rank's shard: refuse, never load it.
-                raise AgentError(
-                    f"generation {gen.generation} needs a rank's sharded state restored "
-                    f"(committed steps {steps}); restoring a shard live is not supported "
-                    "yet: the job stops instead of training on a wrong shard"
-                )
-            return 0  # each rank keeps its own shard; DDP's start does not apply
+            return self._sync_shards(gen, pg, rank, steps, stale)
         # Before the first commit: DDP's start; after it, the holders of the newest step.
         if best < 0:
             coll = self._collectives(pg, rank, stale)
@@ -213,6 +208,40 @@ class Recovery(ProcessHooks):
         else:
             sources = state_sources(steps)
         return self._transfer(gen, pg, rank, sources, best, stale)
+
+    def _sync_shards(
+        self, gen: Generation, pg: Any, rank: int, steps: list[int], stale: Callable[[], bool]
+    ) -> int:
+        """A sharded job's sync: a rank below the highest committed step (a spare, a rank
+        whose state is older) receives its own shard from a holder of that step in its
+        shard class (HSDP's replica, a tensor-parallel shard's data-parallel peer).
+
+        Raises:
+            AgentError: a rank's class holds no copy of its shard at that step.
+        """
+        best = max(steps)
+        if all(s == best for s in steps):
+            return 0  # each rank keeps its own shard; DDP's start does not apply
+        plan = shard_sources(steps, self._shard_classes(self._collectives(pg, rank, stale)))
+        if plan.unrestorable:
+            raise AgentError(
+                f"generation {gen.generation} cannot restore rank(s) {plan.unrestorable} "
+                f"live: no rank holding the same shard committed step {best} (committed "
+                f"steps {steps}); the job stops instead of training on a wrong shard"
+            )
+        return self._transfer(gen, pg, rank, plan.sources, best, stale)
+
+    def _shard_classes(self, coll: Collectives) -> list[int]:
+        """Each rank's shard class in the job's mesh (docs/design.md §12). Every rank says
+        which dimensions its state is replicated along (a spare's optimizer may hold no
+        state yet); a dimension counts only if all of them say so."""
+        mesh = self._mesh
+        assert mesh is not None
+        mine = replica_mask((v for _, v in state_leaves(self._tracked)), mesh)
+        mask = mine
+        for seen in coll.allgather_bytes(mine.to_bytes(8, "little")):
+            mask &= int.from_bytes(seen, "little")
+        return shard_classes(mesh.mesh, mask)
 
     def _collectives(self, pg: Any, rank: int, stale: Callable[[], bool]) -> Collectives:
         """This rank's exchanges in ``pg``, each left like any collective (:meth:`_run`)."""
@@ -272,7 +301,7 @@ class Recovery(ProcessHooks):
             except (Abandoned, CollectiveError):
                 _abandon_receive(works, targets)
                 raise
-            load_entries(skeleton, large, self._tracked, early)
+            load_entries(skeleton, large, self._tracked, early, self._mesh)
             self._rollback = None  # the received state is the step's, whatever was undone
             self._drop_gradients()
             self._committed = best
@@ -301,7 +330,7 @@ class Recovery(ProcessHooks):
             _abandon_receive(pending.works, pending.targets)
             raise
         late = [name for name in self._tracked if name not in pending.loaded]
-        load_entries(pending.skeleton, pending.large, self._tracked, late)
+        load_entries(pending.skeleton, pending.large, self._tracked, late, self._mesh)
         self._has_state = True
         if pending.works:
             self._mark("state_settled", generation=pending.gen.generation)

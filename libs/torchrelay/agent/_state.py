@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from torchrelay.agent._shards import ShardSpec, is_dtensor, rebuild, spec_of
+
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from torchrelay.contract import Generation
 
 
@@ -53,8 +57,19 @@ def _is_dense(value: Any) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Sharded:
+    """A DTensor of the state: this rank's local shard (itself stripped) and its spec."""
+
+    spec: ShardSpec
+    local: Any
+
+
 def _strip(value: Any, large: list[torch.Tensor]) -> Any:
-    """The state with every large dense tensor replaced by a :class:`_Slot` into ``large``."""
+    """The state with every large dense tensor replaced by a :class:`_Slot` into ``large``
+    and every DTensor by its local shard (:class:`_Sharded`)."""
+    if is_dtensor(value):
+        return _Sharded(spec_of(value), _strip(local_view(value), large))
     if _is_dense(value) and value.numel() * value.element_size() > INLINE_MAX_BYTES:
         large.append(value.detach())
         return _Slot(len(large) - 1, value.dtype, tuple(value.shape), value.device.type == "cpu")
@@ -65,13 +80,20 @@ def _strip(value: Any, large: list[torch.Tensor]) -> Any:
     return value  # small tensors and anything else are pickled in the header as they are
 
 
-def _fill(value: Any, large: list[torch.Tensor]) -> Any:
+def _fill(value: Any, large: list[torch.Tensor], mesh: DeviceMesh | None = None) -> Any:
     if isinstance(value, _Slot):
         return large[value.index]
+    if isinstance(value, _Sharded):
+        if mesh is None:
+            raise ValueError(
+                "the recovery source sent a sharded (DTensor) state but this process has "
+                "no device mesh: build it with job.device_mesh() on every rank"
+            )
+        return rebuild(value.spec, _fill(value.local, large), mesh)
     if type(value) in (dict, OrderedDict):
-        return type(value)((k, _fill(v, large)) for k, v in value.items())
+        return type(value)((k, _fill(v, large, mesh)) for k, v in value.items())
     if type(value) in (list, tuple):
-        return type(value)(_fill(v, large) for v in value)
+        return type(value)(_fill(v, large, mesh) for v in value)
     return value
 
 
@@ -112,7 +134,7 @@ def pack_state(
     skeleton = _strip(
         {
             "step": step,
-            "state": {name: tracked[name].state_dict() for name in forward_first(tracked)},
+            "state": _state_dicts(tracked),
         },
         large,
     )
@@ -121,6 +143,44 @@ def pack_state(
     header = torch.frombuffer(bytearray(meta.getvalue()), dtype=torch.uint8).to(device)
     flat = [t.to(device).contiguous().reshape(-1).view(torch.uint8) for t in large]
     return PackedState(header, flat)
+
+
+@dataclass
+class Snapshot:
+    """A copy of the tracked state (each DTensor's local shard) taken before a sharded
+    step's optimizer step, to put back if the step does not commit (docs/design.md §12)."""
+
+    skeleton: Any
+    large: list[torch.Tensor]
+
+
+def take_snapshot(tracked: Mapping[str, Stateful], reuse: Snapshot | None = None) -> Snapshot:
+    """Copy every tracked state dict; into ``reuse``'s buffers where they fit (the last
+    step's snapshot, once that step committed), so a step's copy allocates nothing."""
+    live: list[torch.Tensor] = []
+    skeleton = copy.deepcopy(_strip({"step": -1, "state": _state_dicts(tracked)}, live))
+    old = reuse.large if reuse is not None and len(reuse.large) == len(live) else []
+    large = []
+    for i, t in enumerate(live):
+        into = old[i] if old and _same_layout(old[i], t) else None
+        large.append(into.copy_(t) if into is not None else t.clone())
+    return Snapshot(skeleton, large)
+
+
+def _state_dicts(tracked: Mapping[str, Stateful]) -> dict[str, Any]:
+    return {name: tracked[name].state_dict() for name in forward_first(tracked)}
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+
+
+def restore_snapshot(
+    snap: Snapshot, tracked: Mapping[str, Stateful], mesh: DeviceMesh | None
+) -> None:
+    """Put the state a :class:`Snapshot` copied back into ``tracked``. The optimizers may
+    keep the snapshot's tensors as their state: it must not be reused afterwards."""
+    load_entries(snap.skeleton, snap.large, tracked, None, mesh)
 
 
 def warm_serialization() -> None:
@@ -152,6 +212,8 @@ def slots(skeleton: Any) -> list[_Slot]:
     def walk(value: Any) -> None:
         if isinstance(value, _Slot):
             found.append(value)
+        elif isinstance(value, _Sharded):
+            walk(value.local)
         elif type(value) in (dict, OrderedDict):
             for v in value.values():
                 walk(v)
@@ -242,6 +304,7 @@ def receive_targets(
         if not (
             isinstance(slot, _Slot)
             and isinstance(t, torch.Tensor)
+            and not is_dtensor(t)  # FSDP2 owns a shard's storage: load_state_dict copies
             and _is_dense(t)
             and t.device == device
             and (t.device.type == "cpu") == slot.on_cpu
@@ -316,10 +379,12 @@ def load_entries(
     large: list[torch.Tensor],
     tracked: Mapping[str, Stateful],
     names: list[str] | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> int:
     """Load the received state of ``names`` (default: all) into ``tracked``; the step.
 
-    Only the large tensors of ``names`` need to have arrived.
+    Only the large tensors of ``names`` need to have arrived. DTensors are rebuilt on
+    ``mesh`` (the job's device mesh) from the local shards sent.
     """
     found = slots(skeleton)
     if len(found) != len(large):
@@ -334,7 +399,7 @@ def load_entries(
         for slot, t in zip(found, large, strict=True)
     ]
     for name in wanted:
-        tracked[name].load_state_dict(_fill(skeleton["state"][name], placed))
+        tracked[name].load_state_dict(_fill(skeleton["state"][name], placed, mesh))
     return int(skeleton["step"])
 
 
