@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from torchrelay.agent._agree import find_divergence
+from torchrelay.agent._buddy import WardCopy, alone, exchange_copies
 from torchrelay.agent._errors import AgentError, DivergenceError
 from torchrelay.agent._group import GRAVEYARD, Abandoned, CollectiveError
 from torchrelay.agent._mesh import MESH_GROUPS
@@ -155,14 +156,17 @@ class GradientExchange(Recovery):
         )
         failed: BaseException | None = poisoned
         peer_failed = False
+        copy: WardCopy | None = None
         try:
             if pg is None:
                 raise Abandoned
+            copy = self._copy_to_buddy(gen, pg, rank, step)
             self._run(pg.allreduce([vote], dist.AllreduceOptions()), pg, self._stale(gen))
             peer_failed = vote[1].item() > 0
         except (Abandoned, CollectiveError) as exc:
             failed = failed or exc
         if failed is not None or peer_failed:
+            self._ward_spare = copy  # of a step that did not commit: only its buffers
             snap, self._snapshot = self._snapshot, None  # the optimizer may now hold it
             assert snap is not None
             restore_snapshot(snap, self._tracked, self._mesh)
@@ -180,8 +184,36 @@ class GradientExchange(Recovery):
             return
         if self._exiting:
             self._fence("a newer generation does not name this member")
+        self._ward_spare, self._ward = self._ward, copy
         self._commit(step, gen)
         self._after = (gen, step, bool(vote[0].item() > 0))
+
+    def _copy_to_buddy(self, gen: Generation, pg: Any, rank: int, step: int) -> WardCopy | None:
+        """Pure FSDP's buddy copies at a boundary (:mod:`._buddy`); the ward's copy.
+
+        Raises:
+            Abandoned, CollectiveError: the group was left or failed (the receive buffers
+                are given up: an abandoned receive may still write into them).
+        """
+        classes = self._classes
+        if classes is None or not any(alone(classes)):
+            return None
+        reuse, self._ward_spare = self._ward_spare, None
+        try:
+            return exchange_copies(
+                pg,
+                lambda work: self._run(work, pg, self._stale(gen)),
+                rank,
+                classes,
+                self._tracked,
+                step,
+                self.backend.device,
+                reuse,
+            )
+        except (Abandoned, CollectiveError):
+            if reuse is not None:
+                GRAVEYARD.keep(*reuse.large)
+            raise
 
     def _keeps_gradients(self, old: Generation) -> bool:
         """Enter the next generation from inside a step; True if this step's gradients hold.
@@ -242,7 +274,7 @@ class GradientExchange(Recovery):
         assert rank is not None
         try:
             coll = self._collectives(pg, rank, self._stale(gen))
-            classes = self._shard_classes(coll) if self._sharded else None
+            classes = self._classes if self._sharded else None
             found = find_divergence(coll, self._tracked, self._committed, classes)
         except Abandoned:
             return False

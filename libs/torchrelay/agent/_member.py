@@ -12,6 +12,7 @@ from torch._C._distributed_c10d import TCPStore
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchrelay import deathlatch
+from torchrelay.agent._buddy import WardCopy
 from torchrelay.agent._chaos import ENV as CHAOS_ENV
 from torchrelay.agent._chaos import ChaosPoint
 from torchrelay.agent._config import bucket_bytes_setting, env, nats_url, verify_every_setting
@@ -101,6 +102,9 @@ class Member:
         # A sharded step between reduce_gradients and its commit, and the state it began at.
         self._uncommitted: tuple[Generation, int, list[Any]] | None = None
         self._snapshot: Snapshot | None = None
+        self._classes: list[int] | None = None  # each rank's shard class, this generation
+        self._ward: WardCopy | None = None  # the buddy copy held, of the committed step
+        self._ward_spare: WardCopy | None = None  # older buffers the next copy may reuse
         self._exit_status = 0
         # Where to append this member's recovery timeline (wall-clock phases), if anywhere.
         timeline = os.environ.get("TORCHRELAY_AGENT_TIMELINE")

@@ -220,28 +220,47 @@ class Recovery(ProcessHooks):
             AgentError: a rank's class holds no copy of its shard at that step.
         """
         best = max(steps)
+        classes, wards = self._shard_census(self._collectives(pg, rank, stale))
+        self._classes = classes
         if all(s == best for s in steps):
             return 0  # each rank keeps its own shard; DDP's start does not apply
-        plan = shard_sources(steps, self._shard_classes(self._collectives(pg, rank, stale)))
-        if plan.unrestorable:
+        plan = shard_sources(steps, classes)
+        # A shard no live rank holds: its buddy's copy, if it is of the committed step.
+        from_buddy = {
+            lost: holder
+            for lost in plan.unrestorable
+            for holder, (ward, at) in enumerate(wards)
+            if ward == lost and at == best and steps[holder] == best
+        }
+        lost = [r for r in plan.unrestorable if r not in from_buddy]
+        if lost:
             raise AgentError(
-                f"generation {gen.generation} cannot restore rank(s) {plan.unrestorable} "
-                f"live: no rank holding the same shard committed step {best} (committed "
-                f"steps {steps}); the job stops instead of training on a wrong shard"
+                f"generation {gen.generation} cannot restore rank(s) {lost} live: no rank "
+                f"holding the same shard, nor a buddy copy of it, committed step {best} "
+                f"(committed steps {steps}); the job stops instead of training on a wrong "
+                "shard"
             )
-        return self._transfer(gen, pg, rank, plan.sources, best, stale)
+        sources = {**plan.sources, **from_buddy}
+        return self._transfer(gen, pg, rank, sources, best, stale, set(from_buddy))
 
-    def _shard_classes(self, coll: Collectives) -> list[int]:
-        """Each rank's shard class in the job's mesh (docs/design.md §12). Every rank says
-        which dimensions its state is replicated along (a spare's optimizer may hold no
-        state yet); a dimension counts only if all of them say so."""
+    def _shard_census(self, coll: Collectives) -> tuple[list[int], list[tuple[int, int]]]:
+        """Each rank's shard class in the job's mesh, and the ward copy each rank holds
+        (``(rank, step)``, ``(-1, -1)`` for none; docs/design.md §12). Every rank says which
+        dimensions its state is replicated along (a spare's optimizer may hold no state
+        yet); a dimension counts only if all of them say so."""
         mesh = self._mesh
         assert mesh is not None
         mine = replica_mask((v for _, v in state_leaves(self._tracked)), mesh)
+        ward = self._ward
+        held = (ward.rank, ward.step) if ward is not None else (-1, -1)
+        data = b"".join(v.to_bytes(8, "little", signed=True) for v in (mine, *held))
         mask = mine
-        for seen in coll.allgather_bytes(mine.to_bytes(8, "little")):
-            mask &= int.from_bytes(seen, "little")
-        return shard_classes(mesh.mesh, mask)
+        wards: list[tuple[int, int]] = []
+        for seen in coll.allgather_bytes(data):
+            values = [int.from_bytes(seen[i : i + 8], "little", signed=True) for i in (0, 8, 16)]
+            mask &= values[0]
+            wards.append((values[1], values[2]))
+        return shard_classes(mesh.mesh, mask), wards
 
     def _collectives(self, pg: Any, rank: int, stale: Callable[[], bool]) -> Collectives:
         """This rank's exchanges in ``pg``, each left like any collective (:meth:`_run`)."""
@@ -255,8 +274,10 @@ class Recovery(ProcessHooks):
         sources: dict[int, int],
         best: int,
         stale: Callable[[], bool],
+        from_buddy: set[int] | None = None,
     ) -> int:
         """Send this rank's state to the ranks it serves in ``sources``, or receive its own.
+        A receiver in ``from_buddy`` gets the copy its buddy holds of it instead.
 
         Returns the number of state bytes this rank received.
         """
@@ -265,15 +286,21 @@ class Recovery(ProcessHooks):
         tag = gen.generation
         sending_to = [dst for dst in receivers if sources[dst] == rank]
         if sending_to:
-            packed = pack_state(self._tracked, best, dev)
-            size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=dev)
+            ward, buddied = self._ward, from_buddy or set()
+            own = (
+                pack_state(self._tracked, best, dev)
+                if any(dst not in buddied for dst in sending_to)
+                else None
+            )
             # Post every send at once (header, then each large tensor straight from the
-            # state); the group's transport streams them back to back.
-            works = [
-                pg.send([t], dst, tag)
-                for dst in sending_to
-                for t in (size, packed.header, *packed.large)
-            ]
+            # state); the group's transport streams them back to back. A rank's buddy
+            # sends the copy it holds of that rank.
+            works = []
+            for dst in sending_to:
+                packed = ward.packed() if ward is not None and dst in buddied else own
+                assert packed is not None
+                size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=dev)
+                works += [pg.send([t], dst, tag) for t in (size, packed.header, *packed.large)]
             self._chaos.hit("send_state", best + 1)
             for work in works:
                 self._run(work, pg, stale)

@@ -2,8 +2,9 @@
 ``job.device_mesh``, each compared bitwise with its fault-free run.
 
 A lost rank whose shard another rank holds (HSDP's other replica, a TP shard's data-parallel
-peer) is restored live on a spare. One whose shard no survivor holds (pure FSDP for now, a
-whole replica pair of HSDP) stops the job saying so: never another rank's shard.
+peer) or keeps a copy of (pure FSDP's buddy) is restored live on a spare. One whose shard no
+survivor holds (a whole replica pair of HSDP) stops the job saying so: never another rank's
+shard.
 """
 
 from __future__ import annotations
@@ -76,11 +77,11 @@ AGENT_POINTS = ("optimizer", "commit")
 FULL = [
     *(
         (mesh, "script", p, load)
-        for mesh in ("hsdp", "tp")
+        for mesh in ("hsdp", "tp", "fsdp")
         for p in SCRIPT_POINTS
         for load in ("idle", "hogs")
     ),
-    *((mesh, "agent", p, "idle") for mesh in ("hsdp", "tp") for p in AGENT_POINTS),
+    *((mesh, "agent", p, "idle") for mesh in ("hsdp", "tp", "fsdp") for p in AGENT_POINTS),
     # The spare killed while it receives the shard: a second spare gets it from rank 3.
     ("hsdp", "agent", "recv_state", "idle"),
 ]
@@ -88,12 +89,13 @@ REDUCED = [
     ("hsdp", "script", "clip", "hogs"),
     ("hsdp", "agent", "commit", "idle"),
     ("hsdp", "agent", "recv_state", "idle"),
+    ("fsdp", "agent", "commit", "idle"),
 ]
 CELLS = FULL if os.environ.get("TORCHRELAY_CHAOS") == "all" else REDUCED
 
 
 @pytest.mark.parametrize(("mesh", "where", "point", "load"), CELLS)
-async def test_a_rank_killed_at_any_point_of_a_step_gets_its_shard_from_its_replica(
+async def test_a_rank_killed_at_any_point_of_a_step_gets_its_shard_back(
     runner: JobRunner, mesh: str, where: str, point: str, load: str
 ) -> None:
     ref = await reference(runner, mesh)
@@ -137,26 +139,49 @@ def _errors(job: Any) -> dict[str, str]:
     }
 
 
-async def test_losing_a_shard_and_its_replica_stops_the_job(runner: JobRunner) -> None:
-    # Ranks 1 and 3 hold HSDP's shard 1: with both gone no survivor has it.
-    code, job = await kill_at(runner, "hsdp", [1, 3], spares=2)
+@pytest.mark.parametrize(
+    ("mesh", "victims"),
+    [
+        ("hsdp", [1, 3]),  # both holders of HSDP's shard 1
+        ("fsdp", [1, 2]),  # a pure-FSDP rank and its buddy, which holds its only copy
+    ],
+)
+async def test_losing_a_shard_and_every_copy_of_it_stops_the_job(
+    runner: JobRunner, mesh: str, victims: list[int]
+) -> None:
+    code, job = await kill_at(runner, mesh, victims, spares=2)
     assert code != 0, job.output()[-4000:]
     errors = _errors(job)
     survivor = errors.get(f"{job.job_id}-w0.exit.json", "")
-    assert "cannot restore rank(s) [1, 3] live" in survivor, (job.output()[-2000:], errors)
+    lost = victims if mesh == "hsdp" else victims[:1]  # FSDP: rank 2's copy is with rank 3
+    assert f"cannot restore rank(s) {lost} live" in survivor, (job.output()[-2000:], errors)
     assert not job.digests(), "no rank may finish on a state it cannot have"
 
 
-async def test_a_lost_fsdp_rank_stops_the_job_instead_of_loading_another_shard(
+async def test_a_killed_fsdp_rank_gets_its_shard_from_its_buddys_copy(
     runner: JobRunner,
 ) -> None:
+    ref = await reference(runner, "fsdp")
     code, job = await kill_at(runner, "fsdp", [1], spares=1)
-    assert code != 0, job.output()[-4000:]
-    errors = _errors(job)
-    # The survivors' poisoned step ran to its end; entering generation 2 they refused.
-    survivor = errors.get(f"{job.job_id}-w0.exit.json", "")
-    assert "cannot restore rank(s) [1] live" in survivor, (job.output()[-2000:], errors)
-    assert not job.digests(), "no rank may finish on a state it cannot have"
+    assert code == 0, job.output()[-4000:]
+    assert (job.run_dir / f"{job.job_id}-s0.digest.json").exists(), job.output()[-3000:]
+    assert job.digests() == ref, "final shards differ from the fault-free run"
+
+
+async def test_two_fsdp_ranks_killed_one_after_the_other(runner: JobRunner) -> None:
+    # Rank 1 at step 3, then rank 2 (the buddy of the restored rank 1) at step 6: the copy
+    # rank 2 holds came from the spare that took rank 1 over.
+    ref = await reference(runner, "fsdp")
+    env = {"TR_MESH": "fsdp", "TR_STEPS": STEPS, "TORCHRELAY_VERIFY_EVERY": "2"}
+    job, ex = await runner.start("fsdp-twice", nproc=4, spares=2, env=env, script=SCRIPT)
+    for victim, at in ((1, 3), (2, 6)):
+        name = f"{job.job_id}-w{victim}"
+        await ex.wait_for(f"{name} at step {at}", lambda n=name, a=at: ex.step_of(n) >= a)
+        os.kill(job.pid_of(name), signal.SIGKILL)
+    assert await asyncio.wait_for(job.wait(), 180) == 0, job.output()[-4000:]
+    for spare in ("s0", "s1"):
+        assert (job.run_dir / f"{job.job_id}-{spare}.digest.json").exists(), job.output()[-3000:]
+    assert job.digests() == ref, "final shards differ from the fault-free run"
 
 
 async def test_the_guard_compares_each_rank_with_its_shards_other_holder(
