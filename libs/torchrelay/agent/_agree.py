@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from torchrelay.agent._errors import AgentError
 from torchrelay.agent._state import (
+    PackedState,
     Stateful,
     digest_of,
     first_difference,
@@ -69,6 +70,20 @@ class Collectives:
     device: torch.device
     rank: int
     run: Callable[[Any], None]
+
+    def send_packed(self, packed: PackedState, dst: int, tag: int) -> list[Any]:
+        """Post the sends of a packed state to ``dst``: its header's size, the header, then
+        each large tensor (the transport streams them back to back); their works."""
+        size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=self.device)
+        return [self.pg.send([t], dst, tag) for t in (size, packed.header, *packed.large)]
+
+    def recv_header(self, src: int, tag: int) -> torch.Tensor:
+        """Receive the header :meth:`send_packed` sends first (its size, then it)."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.run(self.pg.recv([size], src, tag))
+        header = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.run(self.pg.recv([header], src, tag))
+        return header
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data`` (all of one length), in rank order."""

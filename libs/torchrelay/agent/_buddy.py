@@ -12,12 +12,13 @@ whole. A lost rank is restored from its buddy's copy like from a replica.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from torchrelay.agent._agree import Collectives
 from torchrelay.agent._state import (
     PackedState,
     Stateful,
@@ -44,14 +45,11 @@ class WardCopy:
         """What a recovery sends to the rank's new holder."""
         return PackedState(self.header, [as_bytes(t) for t in self.large])
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.header.numel()) + sum(t.numel() * t.element_size() for t in self.large)
-
 
 def alone(classes: Sequence[int]) -> list[bool]:
     """Which ranks hold a shard no other rank holds (those need a buddy)."""
-    return [classes.count(c) == 1 for c in classes]
+    count = Counter(classes)
+    return [count[c] == 1 for c in classes]
 
 
 def buddy_of(rank: int, world: int) -> int:
@@ -63,48 +61,41 @@ def ward_of(rank: int, world: int) -> int:
 
 
 def exchange_copies(
-    pg: Any,
-    run: Callable[[Any], None],
-    rank: int,
+    coll: Collectives,
     classes: Sequence[int],
     tracked: Mapping[str, Stateful],
     step: int,
-    device: torch.device,
     reuse: WardCopy | None,
 ) -> WardCopy | None:
     """Send this rank's state at ``step`` to its buddy and receive its ward's.
 
     Returns the ward's copy (None when the ward needs none). ``reuse``: an older copy
-    whose buffers may be written over (not the last committed one). ``run`` waits for a
-    work item and raises the agent's Abandoned/CollectiveError.
+    whose buffers may be written over (not the last committed one). The collectives raise
+    the agent's Abandoned/CollectiveError.
     """
-    world = len(classes)
+    world, rank = len(classes), coll.rank
     lonely = alone(classes)
     works = []
     if lonely[rank] and world > 1:
-        own = pack_state(tracked, step, device)
-        size = torch.tensor([own.header.numel()], dtype=torch.int64, device=device)
-        dst = buddy_of(rank, world)
-        works = [pg.send([t], dst, COPY_TAG) for t in (size, own.header, *own.large)]
+        own = pack_state(tracked, step, coll.device)
+        works = coll.send_packed(own, buddy_of(rank, world), COPY_TAG)
     ward = ward_of(rank, world)
     copy: WardCopy | None = None
     if lonely[ward] and world > 1:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-        run(pg.recv([size], ward, COPY_TAG))
-        header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        run(pg.recv([header], ward, COPY_TAG))
+        header = coll.recv_header(ward, COPY_TAG)
         found = slots(read_header(header))
         old = reuse.large if reuse is not None and len(reuse.large) == len(found) else []
-        large = []
-        for i, slot in enumerate(found):
-            t = old[i] if old else None
-            fits = t is not None and t.dtype == slot.dtype and tuple(t.shape) == slot.shape
-            large.append(t if fits and t is not None else empty_for(slot, device))
+        large = [
+            old[i]
+            if old and old[i].dtype == slot.dtype and tuple(old[i].shape) == slot.shape
+            else empty_for(slot, coll.device)
+            for i, slot in enumerate(found)
+        ]
         for t in large:
-            run(pg.recv([as_bytes(t)], ward, COPY_TAG))
+            coll.run(coll.pg.recv([as_bytes(t)], ward, COPY_TAG))
         copy = WardCopy(ward, step, header, large)
     for work in works:
-        run(work)
+        coll.run(work)
     return copy
 
 

@@ -176,11 +176,7 @@ class GradientExchange(Recovery):
             if isinstance(failed, CollectiveError):
                 self._collective_failed(gen, rank, failed)
             else:  # left for a newer generation, or a peer's collective failed: one comes
-                self._wakeup.wait_for(
-                    lambda: self._latest is not None and self._latest.generation > gen.generation,
-                    lambda: False,
-                    slice_s=5.0,
-                )
+                self._wait_past(gen)
             return
         if self._exiting:
             self._fence("a newer generation does not name this member")
@@ -195,21 +191,13 @@ class GradientExchange(Recovery):
             Abandoned, CollectiveError: the group was left or failed (the receive buffers
                 are given up: an abandoned receive may still write into them).
         """
-        classes = self._classes
-        if classes is None or not any(alone(classes)):
+        coll = self._collectives(pg, rank, self._stale(gen))
+        classes = self._known_classes(coll)
+        if not any(alone(classes)):
             return None
         reuse, self._ward_spare = self._ward_spare, None
         try:
-            return exchange_copies(
-                pg,
-                lambda work: self._run(work, pg, self._stale(gen)),
-                rank,
-                classes,
-                self._tracked,
-                step,
-                self.backend.device,
-                reuse,
-            )
+            return exchange_copies(coll, classes, self._tracked, step, reuse)
         except (Abandoned, CollectiveError):
             if reuse is not None:
                 GRAVEYARD.keep(*reuse.large)
@@ -274,7 +262,7 @@ class GradientExchange(Recovery):
         assert rank is not None
         try:
             coll = self._collectives(pg, rank, self._stale(gen))
-            classes = self._classes if self._sharded else None
+            classes = self._known_classes(coll) if self._sharded else None
             found = find_divergence(coll, self._tracked, self._committed, classes)
         except Abandoned:
             return False

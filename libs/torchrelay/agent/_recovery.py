@@ -243,6 +243,13 @@ class Recovery(ProcessHooks):
         sources = {**plan.sources, **from_buddy}
         return self._transfer(gen, pg, rank, sources, best, stale, set(from_buddy))
 
+    def _known_classes(self, coll: Collectives) -> list[int]:
+        """This generation's shard classes: from its entry's census, or (a mesh built after
+        the group formed) from one taken now, on every rank at the same point of a step."""
+        if self._classes is None:
+            self._classes = self._shard_census(coll)[0]
+        return self._classes
+
     def _shard_census(self, coll: Collectives) -> tuple[list[int], list[tuple[int, int]]]:
         """Each rank's shard class in the job's mesh, and the ward copy each rank holds
         (``(rank, step)``, ``(-1, -1)`` for none; docs/design.md §12). Every rank says which
@@ -295,22 +302,19 @@ class Recovery(ProcessHooks):
             # Post every send at once (header, then each large tensor straight from the
             # state); the group's transport streams them back to back. A rank's buddy
             # sends the copy it holds of that rank.
+            coll = self._collectives(pg, rank, stale)
             works = []
             for dst in sending_to:
                 packed = ward.packed() if ward is not None and dst in buddied else own
                 assert packed is not None
-                size = torch.tensor([packed.header.numel()], dtype=torch.int64, device=dev)
-                works += [pg.send([t], dst, tag) for t in (size, packed.header, *packed.large)]
+                works += coll.send_packed(packed, dst, tag)
             self._chaos.hit("send_state", best + 1)
             for work in works:
                 self._run(work, pg, stale)
             return 0
         if rank in sources:
             source = sources[rank]
-            size = torch.zeros(1, dtype=torch.int64, device=dev)
-            self._run(pg.recv([size], source, tag), pg, stale)
-            header = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-            self._run(pg.recv([header], source, tag), pg, stale)
+            header = self._collectives(pg, rank, stale).recv_header(source, tag)
             skeleton = read_header(header)
             if int(skeleton["step"]) != best:
                 raise AgentError(f"recovery source sent step {skeleton['step']}, expected {best}")
@@ -396,6 +400,10 @@ class Recovery(ProcessHooks):
         with self._lock:
             if self._disrupted_t is None:
                 self._disrupted_t = time.monotonic()
+        self._wait_past(gen)
+
+    def _wait_past(self, gen: Generation) -> None:
+        """Block until a generation newer than ``gen`` is known."""
         self._wakeup.wait_for(
             lambda: self._latest is not None and self._latest.generation > gen.generation,
             lambda: False,
@@ -404,10 +412,7 @@ class Recovery(ProcessHooks):
 
     def _switch_at_boundary(self, gen: Generation) -> None:
         """After the agreed commit: leave for the newer generation, or exit if dropped."""
-        self._wakeup.wait_for(
-            lambda: self._latest is not None and self._latest.generation > gen.generation,
-            lambda: False,
-        )
+        self._wait_past(gen)
         with self._lock:
             latest = self._latest
         assert latest is not None
