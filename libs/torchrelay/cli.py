@@ -88,6 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wait-timeout", type=float, default=60.0)
     run.add_argument("--allow-shrink", action="store_true")
     run.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="write asynchronous DCP checkpoints of the tracked state here (the job resumes "
+        "from the newest complete one; --policy checkpoint_restart restarts from it)",
+    )
+    run.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS")
+    run.add_argument(
+        "--checkpoint-keep", type=int, default=None, metavar="N", help="complete ones kept (2)"
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="checkpoint restarts before the job fails (default 3)",
+    )
+    run.add_argument(
         "--verify-every",
         type=int,
         default=None,

@@ -100,6 +100,36 @@ def form_first(job_id: str, world_size: int, joined: Iterable[AgentReport]) -> G
     )
 
 
+def restart_generation(
+    current: Generation | None, world_size: int, joined: Iterable[AgentReport]
+) -> Generation:
+    """The generation of a job restarted from its checkpoint: its new members in member
+    order, rank 0 hosting the store, numbered after ``current`` (docs/design.md §13).
+
+    Raises:
+        GenerationError: fewer members than ``world_size``, or rank 0 has no store address.
+    """
+    chosen = sorted(joined, key=lambda r: member_order(r.member_id))
+    if len(chosen) < world_size:
+        raise GenerationError(f"a restart at world size {world_size} has {len(chosen)} members")
+    chosen = chosen[:world_size]
+    if not chosen[0].store_addr:
+        raise GenerationError(f"JOINED report of {chosen[0].member_id} has no store_addr")
+    return Generation(
+        job_id=chosen[0].job_id,
+        generation=(current.generation if current is not None else 0) + 1,
+        world_size=world_size,
+        ranks=[
+            RankAssignment(rank=i, member_id=r.member_id, node=r.node, gpu=r.gpu)
+            for i, r in enumerate(chosen)
+        ],
+        store_member=chosen[0].member_id,
+        store_addr=chosen[0].store_addr,
+        mode=MigrationMode.IMMEDIATE,
+        reason="checkpoint_restart",
+    )
+
+
 def replace_rank(
     current: Generation,
     rank: int,

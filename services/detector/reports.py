@@ -23,6 +23,7 @@ from torchrelay.contract import (
     GenerationChanged,
     JobFinished,
     JobRegistered,
+    JobRestarted,
     ReportKind,
     make_event_id,
 )
@@ -64,6 +65,16 @@ class ReportsMixin(FaultsMixin):
         elif isinstance(event, JobFinished):
             await self.jobs.finish(event.job_id)
             self.activity.pop(event.job_id, None)
+        elif isinstance(event, JobRestarted):
+            # The launcher replaced every process (checkpoint_restart): the old members'
+            # silence is no fault, and the job stalls while the new ones start.
+            got = await self.jobs.ranks(event.job_id)
+            new = {m.member_id for m in event.members}
+            for a in got[1] if got else []:
+                if a["member_id"] not in new:
+                    await self.jobs.mark_exited(event.job_id, str(a["member_id"]))
+            self.activity.pop(event.job_id, None)
+            self.recent_change[event.job_id] = time.time()
         elif isinstance(event, AgentReport):
             await self._report(event)
 

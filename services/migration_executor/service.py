@@ -21,14 +21,21 @@ from torchrelay.contract import (
     Event,
     JobFinished,
     JobRegistered,
+    JobRestarted,
     MigrationMode,
     MigrationRequested,
     ReportKind,
+    Role,
     Subjects,
     Token,
     utcnow,
 )
-from torchrelay.generations import GenerationError, changed_event, form_first
+from torchrelay.generations import (
+    GenerationError,
+    changed_event,
+    form_first,
+    restart_generation,
+)
 from torchrelay.observability import inject_headers
 from torchrelay.service import ServiceContext
 from torchrelay.settings import ServiceSettings, load_settings
@@ -133,6 +140,9 @@ class Executor:
         elif isinstance(event, JobRegistered):
             await self.store.put_job(event)
             await self.try_form(event.job_id)
+        elif isinstance(event, JobRestarted):
+            await self.store.put_restart(event)
+            await self.try_form(event.job_id)
         elif isinstance(event, JobFinished):
             await self.store.mark_finished(event.job_id, event.outcome, delivery.stream_seq)
             await self.runner.kick_job(event.job_id)
@@ -205,6 +215,11 @@ class Executor:
         job = await self.store.job(job_id)
         if job is None or await self.store.finished(job_id):
             return
+        restart = await self.store.restart(job_id)
+        formed = await self.ctx.redis.get(f"{self.ctx.prefix}:formed_restart:{job_id}")
+        if restart is not None and int(formed or 0) < restart.restart:
+            await self._form_restart(restart)
+            return
         if await self.ctx.redis.exists(f"{self.ctx.prefix}:formed:{job_id}"):
             return
         bus = self.ctx.bus
@@ -231,6 +246,39 @@ class Executor:
             await bus.publish(changed_event(gen, SOURCE), Subjects.GENERATION_CHANGED)
         await self.ctx.redis.set(f"{self.ctx.prefix}:formed:{job_id}", gen.generation)
         self.ctx.log.info("job formed", extra={"job_id": job_id, "world_size": gen.world_size})
+
+    async def _form_restart(self, restart: JobRestarted) -> None:
+        """The generation after the job's current one, naming the restart's new members,
+        once every one of them has joined (docs/design.md §13)."""
+        job_id, bus = restart.job_id, self.ctx.bus
+        joined = await self.store.joined(job_id)
+        wanted = [m for m in restart.members if m.role == Role.WORKER]
+        if any(m.member_id not in joined for m in wanted):
+            return  # not yet: the last member's JOINED forms it
+        existing = await bus.get_generation(job_id)
+        try:
+            gen = restart_generation(
+                existing[0] if existing else None,
+                restart.world_size,
+                [joined[m.member_id] for m in wanted],
+            )
+        except GenerationError as exc:
+            self.ctx.log.warning("cannot form the restart of job %s: %s", job_id, exc)
+            return
+        try:
+            await bus.put_generation(gen, existing[1] if existing else None)
+        except StaleRevision:  # written meanwhile: by an earlier delivery of ours, or not
+            now = await bus.get_generation(job_id)
+            if now is None or any(now[0].member_rank(m.member_id) is None for m in wanted):
+                self.ctx.log.warning("job %s changed while its restart formed", job_id)
+                return
+            gen = now[0]
+        await bus.publish(changed_event(gen, SOURCE), Subjects.GENERATION_CHANGED)
+        await self.ctx.redis.set(f"{self.ctx.prefix}:formed_restart:{job_id}", restart.restart)
+        self.ctx.log.info(
+            "job restarted",
+            extra={"job_id": job_id, "generation": gen.generation, "restart": restart.restart},
+        )
 
     # ------------------------------------------------------------------ rpc
 

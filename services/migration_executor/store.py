@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 
-from torchrelay.contract import AgentReport, JobRegistered, MigrationRequested, Role
+from torchrelay.contract import AgentReport, JobRegistered, JobRestarted, MigrationRequested, Role
 
 from .saga import SagaState
 
@@ -212,6 +212,16 @@ class ExecutorStore:
     async def job(self, job_id: str) -> JobRegistered | None:
         raw = await self._r.get(f"{self._p}:jobs:{job_id}")
         return None if raw is None else JobRegistered.model_validate_json(raw)
+
+    async def put_restart(self, restart: JobRestarted) -> None:
+        """The job's newest restart (an older one redelivered changes nothing)."""
+        current = await self.restart(restart.job_id)
+        if current is None or restart.restart > current.restart:
+            await self._r.set(f"{self._p}:restart:{restart.job_id}", restart.model_dump_json())
+
+    async def restart(self, job_id: str) -> JobRestarted | None:
+        raw = await self._r.get(f"{self._p}:restart:{job_id}")
+        return None if raw is None else JobRestarted.model_validate_json(raw)
 
     async def mark_finished(self, job_id: str, outcome: str, seq: int = 0) -> None:
         """The job ended; ``seq`` is its JobFinished's position in the events stream."""

@@ -140,6 +140,16 @@ class IncidentStore:
             record["mode"] = mode.value
             await self._r.set(self._key(incident_id), json.dumps(record))
 
+    async def amend(self, incident_id: str, **fields: Any) -> Incident | None:
+        """Add what is learnt after an incident closed (a restart's lost steps and time)."""
+        record = await self.record(incident_id)
+        if record is None:
+            return None
+        incident = Incident.model_validate(record["incident"]).model_copy(update=fields)
+        record["incident"] = incident.model_dump(mode="json")
+        await self._r.set(self._key(incident_id), json.dumps(record))
+        return incident
+
     async def close(self, closed: Incident) -> bool:
         """Store the closed incident; False if it was already closed (nothing changes)."""
         record = await self.record(closed.incident_id)

@@ -32,6 +32,7 @@ from torchrelay.contract import (
     IncidentOpened,
     JobFinished,
     JobRegistered,
+    JobRestarted,
     MigrationCompleted,
     MigrationFailed,
     MigrationMode,
@@ -107,6 +108,8 @@ class Scheduler:
         self.jobs = JobRegistry(ctx.redis, ctx.prefix)
         self.incidents = IncidentStore(ctx.redis, ctx.prefix)
         self._steps: dict[str, int] = {}
+        # Restarted jobs whose first step is awaited: job -> (incident, the new members).
+        self._restarting: dict[str, tuple[str, frozenset[str]]] = {}
         self._pids: dict[str, dict[str, int]] = {}
         self.incidents_total = Counter(
             "incidents_total",
@@ -141,6 +144,8 @@ class Scheduler:
             await self.on_completed(event)
         elif isinstance(event, MigrationFailed):
             await self.on_failed(event)
+        elif isinstance(event, JobRestarted):
+            await self.on_restarted(event)
         else:
             raise PermanentError(f"scheduler does not handle {type(event).__name__}")
 
@@ -468,6 +473,40 @@ class Scheduler:
             await self._record_close(rules.close_failed(incident, failed, after))
         await self._publish_closed(failed.incident_id)
 
+    async def on_restarted(self, event: JobRestarted) -> None:
+        """A checkpoint restart: the incident gets its lost steps now, and the time from the
+        fault to the restarted job's first step once that step's heartbeat arrives."""
+        await self.jobs.add_timeline(
+            event.job_id,
+            event.occurred_at,
+            {
+                "type": "job_restarted",
+                "restart": event.restart,
+                "incident_id": event.incident_id,
+                "checkpoint": event.checkpoint,
+                "checkpoint_steps": event.checkpoint_steps,
+                "committed_steps": event.committed_steps,
+                "lost_steps": event.lost_steps,
+            },
+        )
+        if event.incident_id is None:
+            return
+        await self.incidents.amend(event.incident_id, lost_steps=event.lost_steps)
+        members = frozenset(m.member_id for m in event.members)
+        self._restarting[event.job_id] = (event.incident_id, members)
+
+    async def _restart_stepped(self, job_id: str, at: datetime) -> None:
+        """The restarted job committed its first step: the incident's stall ends there."""
+        pending = self._restarting.pop(job_id, None)
+        if pending is None:
+            return
+        incident = await self.incidents.get(pending[0])
+        if incident is None:
+            return
+        stall_ms = max(0.0, (at - incident.detected_at).total_seconds() * 1000.0)
+        await self.incidents.amend(pending[0], stall_ms=stall_ms)
+        self.migration_stall_seconds.labels(incident.resolution.value).observe(stall_ms / 1000)
+
     # ------------------------------------------------------------------ heartbeats
 
     async def on_heartbeat(self, msg: Msg) -> None:
@@ -495,6 +534,9 @@ class Scheduler:
             return
         if step >= 0 and step > self._steps.get(job_id, -1):
             self._steps[job_id] = step
+        pending = self._restarting.get(job_id)
+        if pending is not None and member_id in pending[1] and beat.get("kind") == "step":
+            await self._restart_stepped(job_id, utcnow())
         if isinstance(pid, int) and pid >= 0:
             self._pids.setdefault(job_id, {})[member_id] = pid
 

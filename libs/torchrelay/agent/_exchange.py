@@ -3,6 +3,7 @@ buckets, the commit, the divergence guard and what a step that did not commit un
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from torchrelay.agent._agree import find_divergence
 from torchrelay.agent._buddy import WardCopy, alone, exchange_copies
+from torchrelay.agent._checkpoint import CheckpointWrite, newest_loadable, stage
 from torchrelay.agent._errors import AgentError, DivergenceError
 from torchrelay.agent._group import GRAVEYARD, Abandoned, CollectiveError
 from torchrelay.agent._mesh import MESH_GROUPS
@@ -23,6 +25,8 @@ from torchrelay.agent._state import (
     take_snapshot,
 )
 from torchrelay.contract import Generation, ReportKind, make_event_id
+
+log = logging.getLogger("torchrelay.agent")
 
 HEARTBEAT_MIN_INTERVAL_S = 0.2  # step heartbeats: at most 5 per second
 
@@ -278,6 +282,64 @@ class GradientExchange(Recovery):
             f"{found.reference}'s{same}, first in {found.path} (ranks that differ: "
             f"{found.ranks}); the job is stopped because its ranks no longer train one model"
         )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_due(self) -> bool:
+        """Whether the committed step ends a checkpoint interval not yet considered."""
+        settings, steps = self.checkpoints, self._committed + 1
+        if settings is None or steps <= self._checkpoint_last:
+            return False
+        return steps % settings.every == 0
+
+    def _write_checkpoint(self, gen: Generation) -> bool:
+        """Start this rank's part of the checkpoint of the committed step (docs/design.md
+        §13); False when the plans' exchange failed and the generation must be left."""
+        settings = self.checkpoints
+        assert settings is not None
+        steps = self._committed + 1
+        self._checkpoint_last = steps
+        rank = self._current_rank()
+        staged = stage(self._tracked, steps)
+        write = CheckpointWrite(settings.directory, staged, rank, gen.world_size, settings)
+        try:
+            coll = self._collectives(self._pg, rank, self._stale(gen))
+            plans = coll.allgather_sized(write.local_plan())
+        except Abandoned:
+            return False
+        except CollectiveError as exc:
+            self._collective_failed(gen, rank, exc)
+            return False
+        write.start(plans, lambda: self._exiting)
+        self._checkpoint_writes = [w for w in self._checkpoint_writes if not w.done.is_set()]
+        self._checkpoint_writes.append(write)
+        self._mark("checkpoint_started", steps=steps)
+        return True
+
+    def _load_checkpoint(self) -> None:
+        """A worker starting with its own state resumes from the newest complete checkpoint."""
+        settings = self.checkpoints
+        if settings is None or self._checkpoint_loaded or not self._has_state:
+            return
+        self._checkpoint_loaded = True
+        if self._committed >= 0:
+            return
+        found, steps = newest_loadable(settings.directory, self._tracked)
+        if found is None:
+            return
+        self._committed = steps - 1
+        self._checkpoint_last = steps
+        self._drop_gradients()
+        self._mark("checkpoint_loaded", steps=steps)
+        log.warning("torchrelay: %s resumes from %s (%d steps)", self.member_id, found.path, steps)
+
+    def _wait_checkpoints(self, timeout_s: float = 120.0) -> None:
+        """At the end: the checkpoints in flight get written (the last one included)."""
+        deadline = time.monotonic() + timeout_s
+        for write in self._checkpoint_writes:
+            if not write.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("torchrelay: checkpoint %s was not completed", write.path)
+        self._checkpoint_writes = []
 
     def _commit(self, step: int, gen: Generation) -> None:
         now = time.monotonic()

@@ -9,11 +9,13 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Literal, NoReturn
 
 from torchrelay.agent._group import GRAVEYARD
@@ -170,6 +172,24 @@ class ProcessHooks(Member):
 
         sys.exit = _exit
         atexit.register(self._at_exit)
+        if (
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            and threading.current_thread() is threading.main_thread()
+        ):
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        """Stopped by the launcher (a checkpoint restart, the job's end): say which step
+        was committed, so that a restart knows the steps it loses, then die of the signal
+        as before. A script's own SIGTERM handler is left alone (then nothing is said)."""
+        del frame
+        if not self._finished:
+            self._write_exit_record({"kind": "stopped", "committed_step": self._committed})
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def _at_exit(self) -> None:
         """End a process that left a group mid-collective without running C++ teardown.

@@ -47,6 +47,9 @@ class Job(GradientExchange):
         verify_every: int | None = None,
         overlap: bool | None = None,
         bucket_mb: float | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_keep: int | None = None,
     ) -> None:
         super().__init__(
             collective_timeout_s=collective_timeout_s,
@@ -54,6 +57,9 @@ class Job(GradientExchange):
             verify_every=verify_every,
             overlap=overlap,
             bucket_mb=bucket_mb,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
         )
         self._install_exit_hooks()
         self._report(
@@ -195,6 +201,7 @@ class Job(GradientExchange):
         self._feed = feed = make_feed(
             dataset, batch_size, seed, shuffle, collate_fn, accumulate, self._tracked
         )
+        self._load_checkpoint()
         while True:
             self._end_step()
             if self._regroup or self._pg is None:
@@ -202,6 +209,8 @@ class Job(GradientExchange):
             gen = self._gen
             assert gen is not None
             assert self._rank is not None
+            if self._checkpoint_due() and not self._write_checkpoint(gen):
+                continue
             step = self._committed + 1
             if step >= max_steps:
                 if self._agree_done(max_steps):
@@ -327,6 +336,7 @@ class Job(GradientExchange):
             return
         self._finished = True
         self._after = None
+        self._wait_checkpoints()
         # Tells the launcher this member completed training, whatever its exit code.
         self._write_exit_record({"kind": "finished", "step": self._committed})
         self._report(
@@ -372,6 +382,12 @@ def init(warm_up: Callable[[], object] | None = None, **kwargs: Any) -> Job:
             (default ``TORCHRELAY_OVERLAP``, on); off: one all-reduce after backward.
         bucket_mb: the overlap's bucket size (default ``TORCHRELAY_BUCKET_MB`` or 25).
         verify_every: compare every rank's tracked state every N steps (0: never).
+        checkpoint_dir: where to write asynchronous DCP checkpoints of the tracked state
+            (default ``TORCHRELAY_CHECKPOINT_DIR``; none: no checkpoints); a job resumes
+            from the newest complete one there, and the ``checkpoint_restart`` policy
+            restarts the job from it (a shared file system for a job across hosts).
+        checkpoint_every: steps between checkpoints (``TORCHRELAY_CHECKPOINT_EVERY``).
+        checkpoint_keep: how many complete checkpoints to keep (default 2).
     """
     if warm_up is not None and not callable(warm_up):
         raise TypeError(f"torchrelay.init(warm_up=...) needs a callable, got {warm_up!r}")

@@ -15,6 +15,7 @@ from torchrelay import deathlatch
 from torchrelay.agent._buddy import WardCopy
 from torchrelay.agent._chaos import ENV as CHAOS_ENV
 from torchrelay.agent._chaos import ChaosPoint
+from torchrelay.agent._checkpoint import CheckpointWrite, checkpoint_settings
 from torchrelay.agent._config import bucket_bytes_setting, env, nats_url, verify_every_setting
 from torchrelay.agent._errors import AgentError
 from torchrelay.agent._feed import Feed
@@ -36,8 +37,12 @@ class Member:
         verify_every: int | None = None,
         overlap: bool | None = None,
         bucket_mb: float | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_keep: int | None = None,
     ) -> None:
         self.verify_every = verify_every_setting(verify_every)
+        self.checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every, checkpoint_keep)
         bucket_bytes = bucket_bytes_setting(overlap, bucket_mb)
         # First: from here on, the launcher learns of this process's death as it begins.
         deathlatch.hold_from_env()
@@ -105,6 +110,11 @@ class Member:
         self._classes: list[int] | None = None  # each rank's shard class, this generation
         self._ward: WardCopy | None = None  # the buddy copy held, of the committed step
         self._ward_spare: WardCopy | None = None  # older buffers the next copy may reuse
+        # Checkpoints (docs/design.md §13): the steps of the last one considered (taken, or
+        # skipped because a generation began there), the writes still in flight.
+        self._checkpoint_last = 0
+        self._checkpoint_writes: list[CheckpointWrite] = []
+        self._checkpoint_loaded = False
         self._exit_status = 0
         # Where to append this member's recovery timeline (wall-clock phases), if anywhere.
         timeline = os.environ.get("TORCHRELAY_AGENT_TIMELINE")

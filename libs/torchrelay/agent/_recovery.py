@@ -166,6 +166,9 @@ class Recovery(ProcessHooks):
                 self._collective_failed(gen, rank, exc)
                 continue
             self._regroup = False
+            # A checkpoint due where a generation begins is skipped: not every rank of the
+            # new generation would take it (a spare never saw the old one's decision).
+            self._checkpoint_last = max(self._checkpoint_last, self._committed + 1)
             self._mark("state_synced", generation=gen.generation, bytes_received=received)
             self._resume = {
                 "generation": gen.generation,

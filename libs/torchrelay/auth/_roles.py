@@ -226,6 +226,7 @@ def role_permissions(role: str) -> Permissions:
                 Subjects.AGENT_REPORTS_ALL,
                 Subjects.JOB_REGISTERED,
                 Subjects.JOB_FINISHED,
+                Subjects.JOB_RESTARTED,
                 # A host launcher's liveness beats, its join and its look at the job's end.
                 Subjects.HEARTBEATS_ALL,
                 _rpc("scheduler", "join_host"),

@@ -245,6 +245,24 @@ class JobFinished(Event):
     committed_step: int | None = None
 
 
+class JobRestarted(Event):
+    """The job's launcher restarted its processes from its newest complete checkpoint (the
+    ``checkpoint_restart`` fallback, docs/design.md §13): the executor forms the restart's
+    generation from ``members``; the scheduler records the steps lost on the incident."""
+
+    job_id: Token
+    tenant: Token
+    restart: int = Field(ge=1)  # 1 for the job's first restart
+    incident_id: str | None = None
+    migration_id: str | None = None
+    world_size: int = Field(ge=1, le=1_000_000)
+    members: list[Member] = Field(min_length=1)
+    checkpoint: str | None = None  # the checkpoint's folder; None: none, from step 0
+    checkpoint_steps: int = Field(default=0, ge=0)  # the steps it holds
+    committed_steps: int | None = Field(default=None, ge=0)  # steps done before the fault
+    lost_steps: int | None = Field(default=None, ge=0)  # committed minus checkpoint steps
+
+
 class RankAssignment(Message):
     rank: int = Field(ge=0)
     member_id: Token

@@ -49,6 +49,7 @@ class Subjects:
     NODE_HEALTH = "tr.evt.node.health"
     JOB_REGISTERED = "tr.evt.job.registered"
     JOB_FINISHED = "tr.evt.job.finished"
+    JOB_RESTARTED = "tr.evt.job.restarted"
     GENERATION_CHANGED = "tr.evt.job.generation"
     DRAIN_REQUESTED = "tr.evt.node.drain"
     MIGRATION_REQUESTED = "tr.evt.migration.requested"
@@ -172,6 +173,7 @@ CONSUMERS: dict[str, ConsumerSpec] = {
                 Subjects.JOB_REGISTERED,
                 Subjects.JOB_FINISHED,
                 Subjects.GENERATION_CHANGED,
+                Subjects.JOB_RESTARTED,
             ],
         ),
         ConsumerSpec(
@@ -185,6 +187,7 @@ CONSUMERS: dict[str, ConsumerSpec] = {
                 Subjects.MIGRATION_COMPLETED,
                 Subjects.MIGRATION_FAILED,
                 Subjects.GENERATION_CHANGED,
+                Subjects.JOB_RESTARTED,
             ],
         ),
         ConsumerSpec(
@@ -199,6 +202,7 @@ CONSUMERS: dict[str, ConsumerSpec] = {
                 Subjects.MIGRATION_REQUESTED,
                 Subjects.JOB_REGISTERED,
                 Subjects.JOB_FINISHED,
+                Subjects.JOB_RESTARTED,
             ],
         ),
         # The agents' reports on a consumer of their own: a consumer delivers one message at

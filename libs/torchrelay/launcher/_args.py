@@ -96,6 +96,36 @@ def host_plan(args: argparse.Namespace, job_id: str) -> HostPlan | None:
     return plan
 
 
+def checkpoint_env(args: argparse.Namespace, env: dict[str, str]) -> Path | None:
+    """``--checkpoint-dir/--checkpoint-every/--checkpoint-keep`` into the children's
+    environment (``TORCHRELAY_CHECKPOINT_*``); returns the folder (None: no checkpoints).
+
+    Raises:
+        LauncherError: a flag without the others it needs, or a bad number.
+    """
+    folder = getattr(args, "checkpoint_dir", None)
+    every = getattr(args, "checkpoint_every", None)
+    keep = getattr(args, "checkpoint_keep", None)
+    if folder is None:
+        if every is not None or keep is not None:
+            raise LauncherError("--checkpoint-every/--checkpoint-keep need --checkpoint-dir")
+        return None
+    if every is None or every < 1:
+        raise LauncherError("--checkpoint-dir needs --checkpoint-every N (N >= 1 steps)")
+    if keep is not None and keep < 1:
+        raise LauncherError("--checkpoint-keep must be at least 1")
+    path = Path(folder).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LauncherError(f"--checkpoint-dir {folder}: {exc.strerror or exc}") from None
+    env["TORCHRELAY_CHECKPOINT_DIR"] = str(path)
+    env["TORCHRELAY_CHECKPOINT_EVERY"] = str(every)
+    if keep is not None:
+        env["TORCHRELAY_CHECKPOINT_KEEP"] = str(keep)
+    return path
+
+
 def options_from_args(args: argparse.Namespace) -> Options:
     """Validate ``torchrelay run`` arguments into :class:`Options`.
 
@@ -123,6 +153,11 @@ def options_from_args(args: argparse.Namespace) -> Options:
     verify_every = getattr(args, "verify_every", None)
     if verify_every is not None and verify_every < 0:
         raise LauncherError("--verify-every must be >= 0 (steps between checks; 0: never)")
+    extra_env = {} if verify_every is None else {"TORCHRELAY_VERIFY_EVERY": str(verify_every)}
+    checkpoint_dir = checkpoint_env(args, extra_env)
+    max_restarts = getattr(args, "max_restarts", 3)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LauncherError("--max-restarts must be a whole number >= 0")
     module = bool(getattr(args, "module", False))
     script = Path(args.script)
     if module:
@@ -171,7 +206,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
         module=module,
         credentials=resolve_credentials("launcher"),
         node_agents=not getattr(args, "no_node_agents", False),
-        extra_env={} if verify_every is None else {"TORCHRELAY_VERIFY_EVERY": str(verify_every)},
+        extra_env=extra_env,
+        checkpoint_dir=checkpoint_dir,
+        max_restarts=max_restarts,
         host=host,
         node_agent_credentials=os.environ.get("TORCHRELAY_NODE_AGENT_CREDENTIALS")
         or resolve_credentials(

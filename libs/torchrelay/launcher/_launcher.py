@@ -31,6 +31,7 @@ from torchrelay.contract import (
     Member,
     MigrationFailed,
     ReportKind,
+    Resolution,
     Role,
     RpcError,
     RpcReply,
@@ -50,6 +51,7 @@ from torchrelay.launcher._hosts import (
     join_host,
     stopped,
 )
+from torchrelay.launcher._restart import Restarts
 from torchrelay.launcher._setup import (
     EXIT_HOST_REFUSED,
     EXIT_USAGE,
@@ -97,6 +99,7 @@ class Launcher:
         self._ended: str | None = None  # the job's end as the control plane recorded it
         self._world_size = opts.nproc
         self._beat: asyncio.Task[None] | None = None
+        self._restarts = Restarts(opts)  # checkpoint_restart (docs/design.md §13)
 
     def _mine(self, node: str) -> bool:
         """Whether work for ``node`` is this launcher's: every (simulated) node on one host,
@@ -613,6 +616,8 @@ class Launcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), 1.0)
             self._changed.clear()
+            if self._restarts.busy():
+                continue  # the processes are being replaced: no verdict on them
             if self._interrupted is not None:
                 return "cancelled", f"stopped by {signal.Signals(self._interrupted).name}"
             if self.opts.host is not None and self._ended is None:
@@ -670,15 +675,7 @@ class Launcher:
                 return EXIT_USAGE
             await self._start_node_agents()
             await self._spawn_all()
-            (o.run_dir / "launcher.json").write_text(
-                json.dumps(
-                    {
-                        "job_id": o.job_id,
-                        "launcher_pid": os.getpid(),
-                        "members": {c.member_id: c.pid for c in self.children.values()},
-                    }
-                )
-            )
+            self._write_launcher_file()
             await self._register()
             if o.host is not None:
                 self._beat = asyncio.create_task(
@@ -711,14 +708,32 @@ class Launcher:
             return
         if failed.fallback.value in ("shrunk", "excluded"):
             return  # the job goes on with one rank fewer, or the warning no longer matters
+        if self._restarts.covers(failed):
+            return  # one restart replaces every process: the other failures' too
+        problem = None
+        if failed.fallback == Resolution.CHECKPOINT_RESTART:
+            problem = self._restarts.problem()
+            if problem is None:
+                self._restarts.start(self, failed)
+                return
+        why = f"a rank could not be migrated live ({failed.reason})"
         self._gave_up = (
-            f"a rank could not be migrated live ({failed.reason}); the job's policy falls back "
-            f"to {failed.fallback.value}: restart it from its last checkpoint"
-            if failed.fallback.value == "checkpoint_restart"
-            else f"a rank could not be migrated live ({failed.reason}); resolution "
-            f"{failed.fallback.value}"
+            f"{why}; resolution {failed.fallback.value}"
+            if problem is None
+            else f"{why}; the job's policy falls back to checkpoint_restart, but {problem}"
         )
         self._changed.set()
+
+    def _write_launcher_file(self) -> None:
+        (self.opts.run_dir / "launcher.json").write_text(
+            json.dumps(
+                {
+                    "job_id": self.opts.job_id,
+                    "launcher_pid": os.getpid(),
+                    "members": {c.member_id: c.pid for c in self.children.values()},
+                }
+            )
+        )
 
     async def _join(self) -> None:
         """A worker host joins its job's rendezvous: its node rank, the world size."""

@@ -331,3 +331,7 @@ class Options:
     # One host of a job across hosts (--nnodes/--node-rank/--nproc-per-node, or --spare);
     # None: the one-host shortcut (--nproc/--spares/--nodes on simulated slots).
     host: HostPlan | None = None
+    # --checkpoint-dir: the checkpoint_restart policy restarts the job from it, at most
+    # max_restarts times (docs/design.md §13).
+    checkpoint_dir: Path | None = None
+    max_restarts: int = 3

@@ -14,6 +14,7 @@ from torchrelay.generations import (
     form_first,
     member_order,
     replace_rank,
+    restart_generation,
 )
 
 
@@ -115,3 +116,17 @@ def test_any_replacement_sequence_keeps_a_valid_world(world: int, victims: list[
         assert gen.store_member != old
         assert gen.member_rank(gen.store_member) is not None
         assert gen.store_addr == addrs[gen.store_member]
+
+
+def test_a_restart_generation_names_the_new_members_after_the_current_one() -> None:
+    first = form_first("j", 2, [joined("j", "j-w0", port=1000), joined("j", "j-w1", port=1001)])
+    assert first is not None
+    new = [joined("j", "j-r1-w1", port=2001), joined("j", "j-r1-w0", port=2000)]
+    gen = restart_generation(first, 2, new)
+    assert gen.generation == 2
+    assert [(a.rank, a.member_id) for a in gen.ranks] == [(0, "j-r1-w0"), (1, "j-r1-w1")]
+    assert gen.store_member == "j-r1-w0"
+    assert gen.store_addr == "127.0.0.1:2000"
+    assert gen.reason == "checkpoint_restart"
+    with pytest.raises(GenerationError, match="world size 3 has 2 members"):
+        restart_generation(first, 3, new)

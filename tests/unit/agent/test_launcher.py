@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,9 +144,9 @@ def test_verify_every_reaches_every_process_of_the_job(
     assert plain.extra_env == {}
 
 
-def test_run_as_and_python_name_what_is_wrong(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def run_opts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[..., Any]:
+    """``torchrelay run --nproc 1 EXTRA x.py``'s options, in a folder holding ``x.py``."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.py").write_text("")
     monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
@@ -153,6 +154,37 @@ def test_run_as_and_python_name_what_is_wrong(
     def opts(*extra: str) -> Any:
         return options_from_args(build_parser().parse_args(["run", "--nproc", "1", *extra, "x.py"]))
 
+    return opts
+
+
+def test_checkpoint_flags_reach_every_process_and_bad_ones_are_named(
+    run_opts: Callable[..., Any], tmp_path: Path
+) -> None:
+    opts = run_opts
+    got = opts("--checkpoint-dir", "ck", "--checkpoint-every", "10", "--max-restarts", "5")
+    assert got.checkpoint_dir == tmp_path / "ck"
+    assert got.checkpoint_dir.is_dir()
+    assert got.max_restarts == 5
+    assert got.extra_env == {
+        "TORCHRELAY_CHECKPOINT_DIR": str(tmp_path / "ck"),
+        "TORCHRELAY_CHECKPOINT_EVERY": "10",
+    }
+    assert opts().checkpoint_dir is None
+    with pytest.raises(LauncherError, match="--checkpoint-dir needs --checkpoint-every N"):
+        opts("--checkpoint-dir", "ck")
+    with pytest.raises(LauncherError, match="need --checkpoint-dir"):
+        opts("--checkpoint-every", "10")
+    with pytest.raises(LauncherError, match="--checkpoint-keep must be at least 1"):
+        opts("--checkpoint-dir", "ck", "--checkpoint-every", "10", "--checkpoint-keep", "0")
+    with pytest.raises(LauncherError, match="--max-restarts must be a whole number >= 0"):
+        opts("--max-restarts", "-1")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(LauncherError, match="--checkpoint-dir file/sub"):
+        opts("--checkpoint-dir", "file/sub", "--checkpoint-every", "10")
+
+
+def test_run_as_and_python_name_what_is_wrong(run_opts: Callable[..., Any]) -> None:
+    opts = run_opts
     with pytest.raises(LauncherError, match="--python /no/such/python: not an executable"):
         opts("--python", "/no/such/python")
     with pytest.raises(LauncherError, match="--run-as no-such-user-x: no such user"):
