@@ -11,7 +11,9 @@ makes member ``MEMBER`` send itself ``SIGNAL`` (``KILL``, the default, or ``STOP
   of the tensors;
 - ``optimizer``: a sharded step's ``reduce_gradients`` returns True (its peers go on into
   the optimizer step and its collectives);
-- ``commit``: a sharded step's optimizer step is done and its commit agreement is next.
+- ``commit``: a sharded step's optimizer step is done and its commit agreement is next;
+- ``checkpoint``: a rank exchanged its checkpoint plan and has not written its part
+  (``STEP`` is the checkpoint's number of steps).
 
 Points a script reaches itself (forward, backward, the optimizer step, between steps, a
 spare's warm-up) are left to the script.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("allreduce", "send_state", "recv_state", "optimizer", "commit")
+POINTS = ("allreduce", "send_state", "recv_state", "optimizer", "commit", "checkpoint")
 ENV = "TORCHRELAY_CHAOS_POINT"
 
 

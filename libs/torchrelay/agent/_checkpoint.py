@@ -11,7 +11,8 @@ Writing one, on every rank, at a step boundary that every rank of the generation
    generation's group, and each computes the same global plan (deduplicated: a replicated
    tensor is written by one rank).
 2. A background thread writes the rank's part (``__R_0.distcp``, fsynced) and then
-   ``__R.results``: DCP's write results and the sha256 of each file it wrote.
+   ``__R.ATTEMPT.results``: DCP's write results and the sha256 of each file it wrote
+   (``ATTEMPT`` names the generation: an earlier attempt's parts are never mixed in).
 3. The coordinator (rank 0) waits for every rank's results, writes DCP's ``.metadata`` and
    then the manifest ``torchrelay.json``, atomically: a checkpoint without a manifest is
    incomplete and never loaded. It then removes checkpoints beyond ``keep``.
@@ -157,11 +158,13 @@ class CheckpointWrite:
         rank: int,
         world_size: int,
         settings: CheckpointSettings,
+        attempt: str = "g0",
     ) -> None:
         self.steps = int(staged["steps"])
         self.path = step_dir(root, self.steps)
         self.root, self.rank, self.world_size = root, rank, world_size
         self.keep = settings.keep
+        self.attempt = attempt
         self.path.mkdir(parents=True, exist_ok=True)
         self._writer = FileSystemWriter(self.path)
         self._planner = DefaultSavePlanner()
@@ -172,6 +175,9 @@ class CheckpointWrite:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+
+    def _part(self, rank: int) -> Path:
+        return self.path / f"__{rank}.{self.attempt}.results"
 
     def local_plan(self) -> bytes:
         """This rank's save plan, for the all-gather."""
@@ -205,7 +211,7 @@ class CheckpointWrite:
                 name: sha256_of(self.path / name)
                 for name in sorted({r.storage_data.relative_path for r in results})
             }
-            _atomic_write(self.path / f"__{self.rank}.results", pickle.dumps((results, files)))
+            _atomic_write(self._part(self.rank), pickle.dumps((results, files)))
             if self.rank == 0:
                 self._finish(metadata, given_up)
         except BaseException as exc:  # a failed checkpoint must not end the job
@@ -216,7 +222,7 @@ class CheckpointWrite:
 
     def _finish(self, metadata: Any, given_up: Callable[[], bool]) -> None:
         """Coordinator: every rank's part is there -> ``.metadata``, the manifest, pruning."""
-        parts = [self.path / f"__{r}.results" for r in range(self.world_size)]
+        parts = [self._part(r) for r in range(self.world_size)]
         deadline = time.monotonic() + PARTS_TIMEOUT_S
         while not all(p.exists() for p in parts):
             if given_up() or time.monotonic() > deadline:
@@ -251,15 +257,16 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Keep the ``keep`` newest complete checkpoints; remove older ones, complete or not."""
+    """Keep the ``keep`` newest complete checkpoints; remove older ones, and incomplete
+    ones older than the newest complete one (a write a failure cut short)."""
     complete = complete_checkpoints(root)
-    if len(complete) < keep:
+    if not complete:
         return
-    oldest_kept = complete[keep - 1].steps
+    kept = {f.steps for f in complete[:keep]}
     with contextlib.suppress(OSError):
         for entry in root.iterdir():
             match = STEP_DIR.match(entry.name)
-            if match and int(match[1]) < oldest_kept:
+            if match and int(match[1]) < complete[0].steps and int(match[1]) not in kept:
                 shutil.rmtree(entry, ignore_errors=True)
 
 

@@ -301,7 +301,9 @@ class GradientExchange(Recovery):
         self._checkpoint_last = steps
         rank = self._current_rank()
         staged = stage(self._tracked, steps)
-        write = CheckpointWrite(settings.directory, staged, rank, gen.world_size, settings)
+        write = CheckpointWrite(
+            settings.directory, staged, rank, gen.world_size, settings, f"g{gen.generation}"
+        )
         try:
             coll = self._collectives(self._pg, rank, self._stale(gen))
             plans = coll.allgather_sized(write.local_plan())
@@ -310,6 +312,7 @@ class GradientExchange(Recovery):
         except CollectiveError as exc:
             self._collective_failed(gen, rank, exc)
             return False
+        self._chaos.hit("checkpoint", steps)
         write.start(plans, lambda: self._exiting)
         self._checkpoint_writes = [w for w in self._checkpoint_writes if not w.done.is_set()]
         self._checkpoint_writes.append(write)

@@ -5,6 +5,7 @@ or corrupted, naming the file."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ def test_a_checkpoint_missing_a_part_is_never_complete(tmp_path: Path) -> None:
     _train(tracked, 1)
     [coordinator, *_] = _save(tmp_path, tracked, 10, parts=2)
     assert isinstance(coordinator.error, CheckpointError)
-    assert "no part from __2.results" in str(coordinator.error)
+    assert "no part from __2.g0.results" in str(coordinator.error)
     assert complete_checkpoints(tmp_path) == []
     with pytest.raises(CheckpointError, match="is incomplete"):
         read_manifest(step_dir(tmp_path, 10))
@@ -134,8 +135,33 @@ def test_only_the_newest_keep_checkpoints_stay(tmp_path: Path) -> None:
     for steps in (1, 2, 3):
         _train(tracked, 1)
         _save(tmp_path, tracked, steps, keep=2)
+    _save(tmp_path, tracked, 4, parts=2)  # cut short: incomplete, newer than the rest
     assert [f.steps for f in complete_checkpoints(tmp_path)] == [3, 2]
     assert not step_dir(tmp_path, 1).exists()
+    assert step_dir(tmp_path, 4).exists()
+    _save(tmp_path, tracked, 5, keep=2)  # the incomplete one is now older than a complete
+    assert [f.steps for f in complete_checkpoints(tmp_path)] == [5, 3]
+    assert not step_dir(tmp_path, 4).exists()
+
+
+def test_an_earlier_attempts_parts_are_never_mixed_in(tmp_path: Path) -> None:
+    tracked = _tracked()
+    _save(tmp_path, tracked, 6, parts=2)  # generation 0's attempt: rank 2's part missing
+    _train(tracked, 1)
+    settings = CheckpointSettings(tmp_path, every=1, keep=2)
+    # Generation 1 writes the same checkpoint again; its coordinator ignores g0's parts.
+    writes = [CheckpointWrite(tmp_path, stage(tracked, 6), r, 3, settings, "g1") for r in range(3)]
+    plans = [w.local_plan() for w in writes]
+    # Rank 1 comes last: g0's part of it is on disk all along, and must not be taken.
+    writes[2].start(plans, lambda: False)
+    assert writes[2].wait(30)
+    writes[0].start(plans, lambda: False)
+    time.sleep(0.5)
+    writes[1].start(plans, lambda: False)
+    assert all(w.wait(30) for w in writes)
+    fresh = _tracked(seed=5)
+    load_checkpoint(read_manifest(step_dir(tmp_path, 6)), fresh)
+    assert state_digest(fresh) == state_digest(tracked)
 
 
 def test_a_checkpoint_of_other_names_is_refused(tmp_path: Path) -> None:
