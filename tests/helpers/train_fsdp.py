@@ -11,11 +11,13 @@ the global gradient clipped for FSDP2 (at a norm low enough that it always clips
 script reaches itself (:func:`maybe_die`); ``TR_CORRUPT_RANK=r`` perturbs rank r's shard
 after step 4 (what the divergence guard must catch). At the end each rank writes
 <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of its tracked state (its
-shards).
+shards). ``TR_FULL_AT=STEP`` (or ``end``) adds "full": the sha256 of the whole unsharded
+state, gathered before STEP's forward (or after the last step): the same at any world size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -74,6 +76,30 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def full_digest() -> str:
+    """sha256 of every tracked tensor gathered whole (a collective over the mesh)."""
+    h = hashlib.sha256()
+
+    def feed(value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            h.update(whole.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                h.update(str(key).encode())
+                feed(value[key])
+        elif isinstance(value, list | tuple):
+            for item in value:
+                feed(item)
+        else:
+            h.update(repr(value).encode())
+
+    feed({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    return h.hexdigest()
+
+
+full_at = os.environ.get("TR_FULL_AT")
+full: str | None = None
 g = torch.Generator().manual_seed(7)
 data = TensorDataset(torch.randn(512, 16, generator=g), torch.randn(512, 1, generator=g))
 for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
@@ -81,6 +107,8 @@ for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
         replica = job.rank // half[1]
         step_gen = torch.Generator().manual_seed(10_000 * step + replica)
         x, y = torch.randn(8, 16, generator=step_gen), torch.randn(8, 1, generator=step_gen)
+    if full_at == str(step):
+        full = full_digest()
     maybe_die("forward", step)
     loss = nn.functional.mse_loss(model(x), y)
     maybe_die("backward", step)
@@ -102,10 +130,18 @@ for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
                 local(next(model.parameters())).view(-1)[0] += 1.0
     optimizer.zero_grad()
 
+if full_at == "end":
+    full = full_digest()
 digest = job.state_digest()
 (run_dir / f"{member}.digest.json").write_text(
     json.dumps(
-        {"member_id": member, "rank": job.rank, "digest": digest, "step": job.committed_step}
+        {
+            "member_id": member,
+            "rank": job.rank,
+            "digest": digest,
+            "step": job.committed_step,
+            "full": full,
+        }
     )
 )
 job.finish()
