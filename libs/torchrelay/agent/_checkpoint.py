@@ -200,6 +200,7 @@ class CheckpointWrite:
         return self.done.wait(timeout_s) and self.error is None
 
     def _run(self, plans: list[Any], given_up: Callable[[], bool]) -> None:
+        _background_priority()
         try:
             global_plans, metadata = DefaultSavePlanner().create_global_plan(plans)
             global_plans = self._writer.prepare_global_plan(global_plans)
@@ -245,6 +246,13 @@ class CheckpointWrite:
         }
         _atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
         prune(self.root, self.keep)
+
+
+def _background_priority() -> None:
+    """Run this thread at the lowest CPU priority: on a host whose cores the ranks keep
+    busy, the write takes what the training threads leave (Linux nices threads one by one)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
