@@ -498,6 +498,17 @@ class SagaRunner:
                     )
                 return await self._save(saga.superseded(state, newest, holder, now, self.timing))
             views.append((newest.generation, [a.member_id for a in newest.ranks]))
+        for generation, _ in views:
+            lost = await self.store.state_lost(state.job_id, generation)
+            if lost is not None:
+                return await self._save(
+                    saga.fail(
+                        state,
+                        Resolution.CHECKPOINT_RESTART,
+                        now,
+                        f"the rank's state cannot be restored live: {lost}",
+                    )
+                )
         expired = state.deadline is not None and now >= state.deadline
         missing: list[str] = []
         for generation, members in reversed(views):

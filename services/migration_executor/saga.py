@@ -259,12 +259,12 @@ def no_spare(state: SagaState, now: datetime, timing: Timing, reason: str) -> Sa
                 wait_until=wait_until,
                 next_try_at=now + timedelta(seconds=timing.retry_s),
             )
-        return fail(
-            state,
-            Resolution.CHECKPOINT_RESTART,
-            now,
-            f"no spare within {terms.wait_timeout_s:g}s: {reason}",
-        )
+        # Past the wait the job's fallback runs: shrink where the user allowed it, else
+        # the restart from its checkpoint (the launcher restarts it if it has one).
+        waited = f"no spare within {terms.wait_timeout_s:g}s: {reason}"
+        if terms.allow_shrink and terms.world_size > 1:
+            return _move(state, Phase.SHRINK, now, f"shrinking: {waited}")
+        return fail(state, Resolution.CHECKPOINT_RESTART, now, waited)
     if terms.policy == JobPolicy.SHRINK and terms.allow_shrink and terms.world_size > 1:
         return _move(state, Phase.SHRINK, now, f"shrinking: {reason}")
     return fail(state, Resolution.CHECKPOINT_RESTART, now, f"no spare: {reason}")

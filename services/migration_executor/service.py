@@ -188,6 +188,13 @@ class Executor:
         await self.on_report(event)
 
     async def on_report(self, report: AgentReport) -> None:
+        if report.kind == ReportKind.STATE_LOST:
+            # The migrations into that generation cannot end live: their sagas fail over
+            # to the restart from the checkpoint (runner._await_resume).
+            why = report.error or f"generation {report.generation} lost a rank's state"
+            await self.store.put_state_lost(report.job_id, report.generation, why)
+            await self.runner.kick_job(report.job_id)
+            return
         if report.kind not in (ReportKind.JOINED, ReportKind.RESUMED):
             return
         if report.kind == ReportKind.JOINED:
@@ -311,6 +318,7 @@ def _acted_on(event: Event) -> bool:
     return not isinstance(event, AgentReport) or event.kind in (
         ReportKind.JOINED,
         ReportKind.RESUMED,
+        ReportKind.STATE_LOST,
     )
 
 

@@ -223,6 +223,14 @@ class ExecutorStore:
         raw = await self._r.get(f"{self._p}:restart:{job_id}")
         return None if raw is None else JobRestarted.model_validate_json(raw)
 
+    async def put_state_lost(self, job_id: str, generation: int, why: str) -> None:
+        """A generation's ranks found no copy of some rank's state (kept a day)."""
+        await self._r.set(f"{self._p}:state_lost:{job_id}:{generation}", why, ex=86400)
+
+    async def state_lost(self, job_id: str, generation: int) -> str | None:
+        raw = await self._r.get(f"{self._p}:state_lost:{job_id}:{generation}")
+        return None if raw is None else _text(raw)
+
     async def mark_finished(self, job_id: str, outcome: str, seq: int = 0) -> None:
         """The job ended; ``seq`` is its JobFinished's position in the events stream."""
         pipe = self._r.pipeline(transaction=True)

@@ -107,9 +107,9 @@ class Cell:
         return f"{self.shape}-{self.fault}-{self.signal}-{self.load}-{self.repeat}"
 
 
+# make test's share of the matrix (its 20-minute budget): the fault-free runs under hogs
+# and the forward-pass kills run with ``make conformance``.
 REDUCED = [
-    Cell("issue21", "none", "-", "hogs"),
-    Cell("rich", "forward", "KILL", "hogs"),
     Cell("rich", "allreduce", "KILL", "idle"),
     Cell("plain", "between", "STOP", "idle"),
     Cell("plain", "send_state", "KILL", "hogs"),

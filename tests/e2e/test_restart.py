@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,12 @@ KILL_STEP = 37
 FULL_ONLY = pytest.mark.skipif(
     os.environ.get("TORCHRELAY_E2E") != "all", reason="make e2e runs it (TORCHRELAY_E2E=all)"
 )
+
+
+def _alone(job_id: str) -> dict[str, str]:
+    """A cluster of the job's own: no idle slot another test's node agents left in the
+    spare pool can become its spare (the fallback is what these tests are about)."""
+    return {"TORCHRELAY_CLUSTER": f"c-{job_id}"}
 
 
 def _incidents(stack: Stack, job_id: str) -> list[dict[str, Any]]:
@@ -80,7 +88,7 @@ def test_checkpoint_restart_resumes_from_the_checkpoint_bitwise(
         out=out,
         policy="checkpoint_restart",
         run_args=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"],
-        env={"TORCHRELAY_CHAOS_POINT": f"{point}:{job_id}-w1:{step}"},
+        env={"TORCHRELAY_CHAOS_POINT": f"{point}:{job_id}-w1:{step}", **_alone(job_id)},
     )
     rc = proc.wait(400)
     log = (tmp_path / f"{job_id}.log").read_text()
@@ -100,3 +108,94 @@ def test_checkpoint_restart_resumes_from_the_checkpoint_bitwise(
     manifest = json.loads((ckpt / "step-00000040" / "torchrelay.json").read_text())
     assert manifest["world_size"] == 3
     assert manifest["steps"] == 40
+
+
+def test_shrink_goes_on_at_the_smaller_world_size_and_says_what_changed(
+    stack: Stack, tmp_path: Path
+) -> None:
+    job_id = "restart-shrink"
+    proc = run_job(
+        stack,
+        job_id,
+        nproc=3,
+        spares=0,
+        steps=30,
+        out=tmp_path / "out",
+        policy="shrink",
+        run_args=["--allow-shrink"],
+        env={"TORCHRELAY_CHAOS_POINT": f"allreduce:{job_id}-w1:12", **_alone(job_id)},
+    )
+    rc = proc.wait(300)
+    log = (tmp_path / f"{job_id}.log").read_text()
+    assert rc == 0, log[-4000:]
+    assert "the job shrank from 3 to 2 ranks" in log, log[-4000:]
+    assert "the global batch is 2 x 32 = 64 samples (was 96)" in log, log[-4000:]
+    assert sorted(digests(tmp_path / "out")) == [0, 1]
+    [incident] = wait_until(
+        lambda: [i for i in _incidents(stack, job_id) if i["resolution"] != "open"],
+        60,
+        "the incident to close",
+    )
+    assert incident["resolution"] == "shrunk"
+    assert incident["rank"] == 1
+
+
+FSDP_SCRIPT = Path(__file__).parents[1] / "helpers" / "train_fsdp.py"
+HSDP_STEPS = "16"
+
+
+def _run_hsdp(
+    stack: Stack, tmp_path: Path, job_id: str, spares: int, run_args: list[str], **env: str
+) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "torchrelay.cli", "run", "--nproc", "4"]
+    cmd += ["--spares", str(spares), "--job-id", job_id, "--tenant", "acme", *run_args]
+    log = (tmp_path / f"{job_id}.log").open("ab")
+    env = {"TR_MESH": "hsdp", "TR_STEPS": HSDP_STEPS, **env}
+    return subprocess.Popen(
+        [*cmd, str(FSDP_SCRIPT)], env=stack.env(**env), stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def _shard_digests(stack: Stack, job_id: str) -> dict[int, str]:
+    run_dir = stack.state_dir / "runs" / job_id
+    return {
+        int(json.loads(p.read_text())["rank"]): json.loads(p.read_text())["digest"]
+        for p in run_dir.glob("*.digest.json")
+    }
+
+
+@FULL_ONLY  # make test covers the fallback in test_sharded.py (no checkpoint there)
+def test_an_hsdp_pair_lost_whole_goes_to_the_restart_and_ends_bitwise(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Ranks 1 and 3 hold HSDP's shard 1: both killed at once, no copy of it survives. The
+    spares cannot be given it, so the migration fails over to checkpoint_restart and the
+    job resumes from its checkpoint of step 10, bitwise equal to the fault-free run."""
+    ref = _run_hsdp(stack, tmp_path, "hsdp-ref", 0, [])
+    assert ref.wait(300) == 0, (tmp_path / "hsdp-ref.log").read_text()[-3000:]
+    expected = _shard_digests(stack, "hsdp-ref")
+    assert sorted(expected) == [0, 1, 2, 3]
+
+    job_id = "hsdp-pair"
+    args = ["--policy", "checkpoint_restart", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc = _run_hsdp(
+        stack,
+        tmp_path,
+        job_id,
+        2,
+        [*args, "--checkpoint-every", "5"],
+        TR_KILL_AT="backward:12:1+3",
+        **_alone(job_id),
+    )
+    rc = proc.wait(400)
+    log = (tmp_path / f"{job_id}.log").read_text()
+    assert rc == 0, log[-4000:]
+    assert "cannot restore rank(s) [1, 3] live" in log, log[-4000:]
+    assert "10 steps kept, 2 lost" in log, log[-4000:]
+    assert _shard_digests(stack, job_id) == expected
+    closed = wait_until(
+        lambda: [i for i in _incidents(stack, job_id) if i["resolution"] != "open"],
+        60,
+        "the incidents to close",
+    )
+    assert {i["resolution"] for i in closed} == {"checkpoint_restart"}

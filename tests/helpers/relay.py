@@ -29,8 +29,10 @@ from torchrelay.contract import (
     AgentReport,
     Generation,
     Heartbeat,
+    MigrationFailed,
     MigrationMode,
     ReportKind,
+    Resolution,
     Role,
     Subjects,
     make_event_id,
@@ -105,6 +107,19 @@ class FakeExecutor:
             # executor's ``wait`` policy, the first spare to join takes it.
             rank, reason = self._waiting.pop(0)
             await self._replace(rank, MigrationMode.IMMEDIATE, reason)
+        elif report.kind == ReportKind.STATE_LOST:
+            # As the executor does: the migration fails over to the restart from the
+            # job's checkpoint, which the launcher runs (or, without one, ends the job).
+            failed = MigrationFailed(
+                event_id=make_event_id("state_lost_failed", self.job_id, report.generation),
+                source="test-executor",
+                migration_id=make_event_id("migration", self.job_id, report.generation),
+                incident_id=make_event_id("incident", self.job_id, report.generation),
+                job_id=self.job_id,
+                reason=f"the rank's state cannot be restored live: {report.error}",
+                fallback=Resolution.CHECKPOINT_RESTART,
+            )
+            await self.bus.publish(failed, Subjects.MIGRATION_FAILED)
         elif report.kind == ReportKind.WORKER_EXIT:
             self.gone.add(report.member_id)
             if (

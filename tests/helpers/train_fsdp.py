@@ -7,12 +7,13 @@ averages itself over the mesh's ``dp`` group, its inputs drawn from the step and
 replica so that both ranks of a TP group see the same batch). ``TR_STEPS`` steps of AdamW,
 the global gradient clipped for FSDP2 (at a norm low enough that it always clips).
 
-``TR_KILL_AT=POINT:STEP:RANK`` kills the worker started as RANK at a point of a step the
-script reaches itself (:func:`maybe_die`); ``TR_CORRUPT_RANK=r`` perturbs rank r's shard
-after step 4 (what the divergence guard must catch). At the end each rank writes
-<TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of its tracked state (its
-shards). ``TR_FULL_AT=STEP`` (or ``end``) adds "full": the sha256 of the whole unsharded
-state, gathered before STEP's forward (or after the last step): the same at any world size.
+``TR_KILL_AT=POINT:STEP:RANK[+RANK...]`` kills the workers started as those ranks at a
+point of a step the script reaches itself (:func:`maybe_die`); ``TR_CORRUPT_RANK=r``
+perturbs rank r's shard after step 4 (what the divergence guard must catch). At the end
+each rank writes <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of its
+tracked state (its shards). ``TR_FULL_AT=STEP`` (or ``end``) adds "full": the sha256 of
+the whole unsharded state, gathered before STEP's forward (or after the last step): the
+same at any world size.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -65,10 +67,13 @@ kill_at = tuple(os.environ.get("TR_KILL_AT", "::").split(":"))
 
 
 def maybe_die(point: str, step: int) -> None:
-    """A worker SIGKILLs itself at POINT of STEP if it holds RANK of ``TR_KILL_AT`` (a
-    spare that takes the rank over does not)."""
+    """A worker SIGKILLs itself at POINT of STEP if it holds a RANK of ``TR_KILL_AT``
+    (ranks joined by "+"; a spare that takes the rank over, or a worker of a checkpoint
+    restart, ``JOB-rN-wI``, does not)."""
     worker = os.environ.get("TORCHRELAY_ROLE", "worker") == "worker"
-    if worker and (point, str(step), str(job.rank)) == kill_at:
+    first = re.search(r"-r\d+-w\d+$", member) is None
+    ranks = kill_at[2].split("+")
+    if worker and first and (point, str(step)) == kill_at[:2] and str(job.rank) in ranks:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -3,9 +3,10 @@ every rank to the committed state (docs/design.md §4)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
@@ -152,6 +153,8 @@ class Recovery(ProcessHooks):
             except CollectiveError as exc:
                 self._collective_failed(gen, rank, exc)
                 continue
+            if self._gen is not None and gen.world_size < self._gen.world_size and rank == 0:
+                self._say_shrunk(self._gen.world_size, gen.world_size)
             self._gen, self._pg, self._rank = gen, pg, rank
             if self._sharded:
                 self._rebind_mesh(gen)
@@ -178,6 +181,23 @@ class Recovery(ProcessHooks):
                 "step": self._committed + 1,
             }
             return
+
+    def _say_shrunk(self, before: int, after: int) -> None:
+        """The job shrank (policy shrink): what changed in the step's math."""
+        per_rank = getattr(self._feed, "batch_size", None)
+        batch = (
+            f"{after} x {per_rank} = {after * per_rank} samples (was {before * per_rank})"
+            if isinstance(per_rank, int)
+            else f"{after}/{before} of what it was"
+        )
+        print(
+            f"torchrelay: the job shrank from {before} to {after} ranks: each step now "
+            f"averages {after} ranks' batches, so the global batch is {batch}; the learning "
+            "rate and its schedule are unchanged, and the run no longer matches one without "
+            "the fault",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _rebind_mesh(self, gen: Generation) -> None:
         """Bind the mesh's groups (job.device_mesh) to transports of generation ``gen``."""
@@ -219,8 +239,8 @@ class Recovery(ProcessHooks):
         whose state is older) receives its own shard from a holder of that step in its
         shard class (HSDP's replica, a tensor-parallel shard's data-parallel peer).
 
-        Raises:
-            AgentError: a rank's class holds no copy of its shard at that step.
+        A rank whose class holds no copy of its shard at that step cannot be restored live:
+        the generation is reported lost (:meth:`_state_lost`) and never trained in.
         """
         best = max(steps)
         classes, wards = self._shard_census(self._collectives(pg, rank, stale))
@@ -237,14 +257,32 @@ class Recovery(ProcessHooks):
         }
         lost = [r for r in plan.unrestorable if r not in from_buddy]
         if lost:
-            raise AgentError(
+            self._state_lost(
+                gen,
+                rank,
                 f"generation {gen.generation} cannot restore rank(s) {lost} live: no rank "
                 f"holding the same shard, nor a buddy copy of it, committed step {best} "
-                f"(committed steps {steps}); the job stops instead of training on a wrong "
-                "shard"
+                f"(committed steps {steps})",
             )
         sources = {**plan.sources, **from_buddy}
         return self._transfer(gen, pg, rank, sources, best, stale, set(from_buddy))
+
+    def _state_lost(self, gen: Generation, rank: int, why: str) -> NoReturn:
+        """No copy of a rank's state survives: tell the control plane, which takes the job's
+        fallback (a restart from its checkpoint; docs/design.md §13), and wait for what it
+        decides, a newer generation or this process's end. Never train on a wrong shard."""
+        print(f"torchrelay: {self.member_id}: {why}", file=sys.stderr, flush=True)
+        if rank == 0:  # every rank found the same; one report says it
+            self._report(
+                ReportKind.STATE_LOST,
+                generation=gen.generation,
+                rank=rank,
+                step=self._committed + 1,
+                error=why,
+                event_id=make_event_id("state_lost", self.job_id, gen.generation),
+            )
+        self._wait_past(gen)
+        raise Abandoned(why)
 
     def _known_classes(self, coll: Collectives) -> list[int]:
         """This generation's shard classes: from its entry's census, or (a mesh built after

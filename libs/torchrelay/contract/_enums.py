@@ -97,3 +97,6 @@ class ReportKind(StrEnum):
     APPLICATION_ERROR = "application_error"  # user code raised
     WORKER_EXIT = "worker_exit"  # launcher saw a process exit
     SPARE_READY = "spare_ready"
+    # A generation's ranks found no copy of some rank's state (a sharded job that lost a
+    # shard and every copy of it): the migration cannot end live, the fallback decides.
+    STATE_LOST = "state_lost"

@@ -146,15 +146,18 @@ def _errors(job: Any) -> dict[str, str]:
         ("fsdp", [1, 2]),  # a pure-FSDP rank and its buddy, which holds its only copy
     ],
 )
-async def test_losing_a_shard_and_every_copy_of_it_stops_the_job(
+async def test_losing_a_shard_and_every_copy_of_it_goes_to_the_fallback(
     runner: JobRunner, mesh: str, victims: list[int]
 ) -> None:
+    """The ranks report the state lost; the migration fails over to checkpoint_restart,
+    which a job without a checkpoint directory cannot take: it ends saying why."""
     code, job = await kill_at(runner, mesh, victims, spares=2)
-    assert code != 0, job.output()[-4000:]
-    errors = _errors(job)
-    survivor = errors.get(f"{job.job_id}-w0.exit.json", "")
+    out = job.output()
+    assert code != 0, out[-4000:]
     lost = victims if mesh == "hsdp" else victims[:1]  # FSDP: rank 2's copy is with rank 3
-    assert f"cannot restore rank(s) {lost} live" in survivor, (job.output()[-2000:], errors)
+    assert f"cannot restore rank(s) {lost} live" in out, out[-4000:]
+    # The launcher heard the migration fail over (the reason is the ranks' report).
+    assert "falls back to checkpoint_restart, but the job has no --checkpoint-dir" in out
     assert not job.digests(), "no rank may finish on a state it cannot have"
 
 

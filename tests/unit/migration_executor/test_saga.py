@@ -161,6 +161,14 @@ def test_wait_policy_waits_then_falls_back_to_checkpoint_restart() -> None:
     assert s.fallback == Resolution.CHECKPOINT_RESTART
 
 
+def test_a_wait_past_its_timeout_shrinks_where_the_user_allowed_it() -> None:
+    s = saga.no_spare(new(JobPolicy.WAIT, allow_shrink=True), T0, TIMING, "empty pool")
+    assert s.phase == Phase.WAIT_SPARE
+    s = saga.still_waiting(s, T0 + timedelta(seconds=31), TIMING)
+    assert s.phase == Phase.SHRINK
+    assert "no spare within 30s" in s.history[-1]["note"]
+
+
 def test_spare_found_during_wait_is_used() -> None:
     s = saga.no_spare(new(JobPolicy.WAIT), T0, TIMING, "empty pool")
     s = saga.reserved(s, lease(), T0 + timedelta(seconds=5), TIMING)
