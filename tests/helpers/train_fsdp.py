@@ -1,11 +1,12 @@
 """A sharded training script on torchrelay's documented API (run under ``torchrelay run``).
 
 ``TR_MESH`` picks the parallelism over ``job.device_mesh``: ``fsdp`` (FSDP2, 1-D, every
-rank its own shard), ``hsdp`` (FSDP2 over 2 replicas of world/2 shards) or ``tp`` (tensor
-parallel over world/2 ranks inside 2 data-parallel replicas, whose gradients the script
-averages itself over the mesh's ``dp`` group, its inputs drawn from the step and the
-replica so that both ranks of a TP group see the same batch). ``TR_STEPS`` steps of AdamW,
-the global gradient clipped for FSDP2 (at a norm low enough that it always clips).
+rank its own shard), ``replicated`` (no mesh: torchrelay's data parallelism), ``hsdp``
+(FSDP2 over 2 replicas of world/2 shards) or ``tp`` (tensor parallel over world/2 ranks
+inside 2 data-parallel replicas, whose gradients the script averages itself over the
+mesh's ``dp`` group, its inputs drawn from the step and the replica so that both ranks of
+a TP group see the same batch). ``TR_STEPS`` steps of AdamW, the global gradient clipped
+(at a norm low enough that it always clips) but under TP.
 
 ``TR_KILL_AT=POINT:STEP:RANK[+RANK...]`` kills the workers started as those ranks at a
 point of a step the script reaches itself (:func:`maybe_die`); ``TR_CORRUPT_RANK=r``
@@ -13,7 +14,10 @@ perturbs rank r's shard after step 4 (what the divergence guard must catch). At 
 each rank writes <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of its
 tracked state (its shards). ``TR_FULL_AT=STEP`` (or ``end``) adds "full": the sha256 of
 the whole unsharded state, gathered before STEP's forward (or after the last step): the
-same at any world size.
+same at any world size. The model is ``Linear(16, W)``, ``TR_HIDDEN`` (1) layers
+``Linear(W, W)`` and ``Linear(W, 1)`` with ``W = TR_WIDTH`` (64); the digest file also
+holds each step's start time (``step_times``) and the peak resident memory
+(``max_rss_bytes``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import hashlib
 import json
 import os
 import re
+import resource
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -48,13 +54,17 @@ if kind == "fsdp":
     mesh = job.device_mesh(job.world_size, mesh_dim_names=("shard",))
 elif kind == "hsdp":
     mesh = job.device_mesh(half, mesh_dim_names=("replicate", "shard"))
-else:
+elif kind == "tp":
     mesh = job.device_mesh(half, mesh_dim_names=("dp", "tp"))
 torch.manual_seed(1234)
-model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+width = int(os.environ.get("TR_WIDTH", "64"))
+layers: list[nn.Module] = [nn.Linear(16, width), nn.ReLU()]
+for _ in range(int(os.environ.get("TR_HIDDEN", "1"))):
+    layers += [nn.Linear(width, width), nn.ReLU()]
+model = nn.Sequential(*layers, nn.Linear(width, 1))
 if kind == "tp":
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-else:
+elif kind != "replicated":
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -105,6 +115,7 @@ def full_digest() -> str:
 
 full_at = os.environ.get("TR_FULL_AT")
 full: str | None = None
+step_times: list[float] = []
 g = torch.Generator().manual_seed(7)
 data = TensorDataset(torch.randn(512, 16, generator=g), torch.randn(512, 1, generator=g))
 for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
@@ -112,6 +123,7 @@ for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
         replica = job.rank // half[1]
         step_gen = torch.Generator().manual_seed(10_000 * step + replica)
         x, y = torch.randn(8, 16, generator=step_gen), torch.randn(8, 1, generator=step_gen)
+    step_times.append(time.perf_counter())
     if full_at == str(step):
         full = full_digest()
     maybe_die("forward", step)
@@ -146,6 +158,8 @@ digest = job.state_digest()
             "digest": digest,
             "step": job.committed_step,
             "full": full,
+            "step_times": step_times,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
     )
 )

@@ -197,7 +197,7 @@ class GradientExchange(Recovery):
         """
         coll = self._collectives(pg, rank, self._stale(gen))
         classes = self._known_classes(coll)
-        if not any(alone(classes)):
+        if not self.buddy_copies or not any(alone(classes)):
             return None
         reuse, self._ward_spare = self._ward_spare, None
         try:

@@ -43,6 +43,9 @@ class Member:
     ) -> None:
         self.verify_every = verify_every_setting(verify_every)
         self.checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every, checkpoint_keep)
+        # Pure FSDP's buddy copies (docs/design.md §12); off (the bench's baseline), a lost
+        # rank whose shard no other rank holds goes to the job's fallback.
+        self.buddy_copies = os.environ.get("TORCHRELAY_BUDDY_COPIES", "1") != "0"
         bucket_bytes = bucket_bytes_setting(overlap, bucket_mb)
         # First: from here on, the launcher learns of this process's death as it begins.
         deathlatch.hold_from_env()

@@ -87,7 +87,6 @@ FULL = [
 ]
 REDUCED = [
     ("hsdp", "script", "clip", "hogs"),
-    ("hsdp", "agent", "commit", "idle"),
     ("hsdp", "agent", "recv_state", "idle"),
     ("fsdp", "agent", "commit", "idle"),
 ]
