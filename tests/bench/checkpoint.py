@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.bench import print_figures
 from tests.bench.migration import RelayStack
 from tests.helpers.relay import TRAIN_SCRIPT, FakeExecutor, LaunchedJob
 from torchrelay.bus import Bus
@@ -228,11 +229,7 @@ def run() -> dict[str, Any]:
         tmp = Path(d)
         figures = asyncio.run(_step_times(tmp))
         figures.update(_restart(tmp))
-    width = max(len(k) for k in figures)
-    print("checkpoint benchmark (gloo, CPU, local disk)")
-    for key, value in figures.items():
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"  {key:<{width}}  {shown}")
+    print_figures("checkpoint benchmark (gloo, CPU, local disk)", figures)
     return figures
 
 

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests.bench import print_figures
 from tests.helpers.relay import FakeExecutor, LaunchedJob
 from torchrelay.bus import Bus
 from torchrelay.runtime import free_port, nats_server
@@ -81,11 +82,7 @@ async def _run() -> dict[str, Any]:
 def run() -> dict[str, Any]:
     """Measure, print a small table, return the figures."""
     figures = asyncio.run(_run())
-    width = max(len(k) for k in figures)
-    print(f"torchrelay against DistributedDataParallel ({WORLD} ranks, gloo, CPU)")
-    for key, value in figures.items():
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"  {key:<{width}}  {shown}")
+    print_figures(f"torchrelay against DistributedDataParallel ({WORLD} ranks, gloo, CPU)", figures)
     return figures
 
 

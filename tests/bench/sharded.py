@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests.bench import print_figures
 from tests.helpers.relay import FakeExecutor, LaunchedJob
 from torchrelay.bus import Bus
 from torchrelay.contract import ReportKind
@@ -146,11 +147,9 @@ def run() -> dict[str, Any]:
     """Measure, print a small table, return the figures."""
     with tempfile.TemporaryDirectory() as d:
         figures = asyncio.run(_bench(Path(d)))
-    width = max(len(k) for k in figures)
-    print(f"sharded benchmark ({WORLD} gloo ranks, {params() / 1e6:.1f}M parameters, CPU)")
-    for key, value in figures.items():
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"  {key:<{width}}  {shown}")
+    print_figures(
+        f"sharded benchmark ({WORLD} gloo ranks, {params() / 1e6:.1f}M parameters, CPU)", figures
+    )
     return figures
 
 

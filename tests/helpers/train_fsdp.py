@@ -22,7 +22,6 @@ holds each step's start time (``step_times``) and the peak resident memory
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ from torch.utils.data import TensorDataset
 torch.set_num_threads(1)
 
 import torchrelay  # noqa: E402 - after the thread setting, like a user script would
+from torchrelay.agent import state_digest  # noqa: E402
 
 steps = int(os.environ.get("TR_STEPS", "12"))
 run_dir = Path(os.environ["TORCHRELAY_RUN_DIR"])
@@ -91,26 +91,31 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class _Whole:
+    """A tracked object's state with every DTensor gathered whole (a collective)."""
+
+    def __init__(self, obj: nn.Module | torch.optim.Optimizer) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> object:
+        def whole(value: object) -> object:
+            if isinstance(value, DTensor):
+                return value.full_tensor()
+            if isinstance(value, dict):
+                return {k: whole(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [whole(v) for v in value]
+            return value
+
+        return whole(self.obj.state_dict())
+
+    def load_state_dict(self, state: object) -> None:
+        raise NotImplementedError("a digest view only")
+
+
 def full_digest() -> str:
-    """sha256 of every tracked tensor gathered whole (a collective over the mesh)."""
-    h = hashlib.sha256()
-
-    def feed(value: object) -> None:
-        if isinstance(value, torch.Tensor):
-            whole = value.full_tensor() if isinstance(value, DTensor) else value
-            h.update(whole.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                h.update(str(key).encode())
-                feed(value[key])
-        elif isinstance(value, list | tuple):
-            for item in value:
-                feed(item)
-        else:
-            h.update(repr(value).encode())
-
-    feed({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-    return h.hexdigest()
+    """sha256 of the whole unsharded state: the project's digest over gathered tensors."""
+    return state_digest({"model": _Whole(model), "optimizer": _Whole(optimizer)})
 
 
 full_at = os.environ.get("TR_FULL_AT")

@@ -5,7 +5,6 @@ new one on the slots the job has, resuming from the newest complete checkpoint
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import sys
 from datetime import datetime
@@ -36,12 +35,8 @@ def committed_steps(launcher: Launcher) -> int | None:
     its committed step in its exit record (None: none did, e.g. a script's own handler)."""
     steps = []
     for child in launcher.children.values():
-        path = launcher.opts.run_dir / f"{child.member_id}.exit.json"
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and isinstance(record.get("committed_step"), int):
+        record = launcher._exit_record(child.member_id)
+        if record is not None and isinstance(record.get("committed_step"), int):
             steps.append(int(record["committed_step"]) + 1)
     return max(steps) if steps else None
 
