@@ -670,6 +670,9 @@ class SagaRunner:
                 job_id=state.job_id,
                 reason=state.reason or "migration failed",
                 fallback=state.fallback,
+                node=state.failed_node,
+                gpu=state.failed_gpu,
+                fault_kind=state.fault_kind,
             ),
             Subjects.MIGRATION_FAILED,
         )

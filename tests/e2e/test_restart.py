@@ -144,10 +144,17 @@ FSDP_SCRIPT = Path(__file__).parents[1] / "helpers" / "train_fsdp.py"
 HSDP_STEPS = "16"
 
 
-def _run_hsdp(
-    stack: Stack, tmp_path: Path, job_id: str, spares: int, run_args: list[str], **env: str
+def _run_sharded(
+    stack: Stack,
+    tmp_path: Path,
+    job_id: str,
+    spares: int,
+    run_args: list[str],
+    nproc: int = 4,
+    **env: str,
 ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "torchrelay.cli", "run", "--nproc", "4"]
+    """``torchrelay run`` of the sharded script (HSDP 2 x 2 unless ``TR_MESH`` says)."""
+    cmd = [sys.executable, "-m", "torchrelay.cli", "run", "--nproc", str(nproc)]
     cmd += ["--spares", str(spares), "--job-id", job_id, "--tenant", "acme", *run_args]
     log = (tmp_path / f"{job_id}.log").open("ab")
     env = {"TR_MESH": "hsdp", "TR_STEPS": HSDP_STEPS, **env}
@@ -156,12 +163,78 @@ def _run_hsdp(
     )
 
 
-def _shard_digests(stack: Stack, job_id: str) -> dict[int, str]:
+def _run_files(stack: Stack, job_id: str, suffix: str) -> list[dict[str, Any]]:
     run_dir = stack.state_dir / "runs" / job_id
-    return {
-        int(json.loads(p.read_text())["rank"]): json.loads(p.read_text())["digest"]
-        for p in run_dir.glob("*.digest.json")
-    }
+    return [json.loads(p.read_text()) for p in sorted(run_dir.glob(f"*.{suffix}.json"))]
+
+
+def _shard_digests(stack: Stack, job_id: str) -> dict[int, str]:
+    return {int(d["rank"]): d["digest"] for d in _run_files(stack, job_id, "digest")}
+
+
+def test_an_fsdp_job_restarts_at_2_ranks_from_its_4_rank_checkpoint_bitwise(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Rank 1's GPU falls off the bus (XID 79) before step 37's forward and no spare is
+    left. The launcher leaves that slot out and, allowed to shrink, restarts at the largest
+    world size dividing 4 that the 3 fit slots hold, 2, from the 4-rank FSDP2 checkpoint
+    of step 30 (DCP reshards it). Its reference makes the same change without a fault: 4
+    ranks checkpointing for 31 steps, then a 2-rank job resuming from that directory."""
+    sharded = {"TR_MESH": "fsdp", "TR_FULL_AT": "end"}
+    every = ["--checkpoint-every", "10"]
+    ref_dir = ["--checkpoint-dir", str(tmp_path / "ref-ckpt"), *every]
+    ref4 = _run_sharded(stack, tmp_path, "fsdp-ref4", 0, ref_dir, TR_STEPS="31", **sharded)
+    assert ref4.wait(300) == 0, (tmp_path / "fsdp-ref4.log").read_text()[-3000:]
+    ref2 = _run_sharded(
+        stack, tmp_path, "fsdp-ref2", 0, ref_dir, nproc=2, TR_STEPS=str(STEPS), **sharded
+    )
+    assert ref2.wait(300) == 0, (tmp_path / "fsdp-ref2.log").read_text()[-3000:]
+    expected = {d["full"] for d in _run_files(stack, "fsdp-ref2", "digest")}
+    assert len(expected) == 1
+    assert None not in expected
+
+    job_id = "fsdp-xid"
+    args = ["--policy", "checkpoint_restart", "--allow-shrink"]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt"), *every]
+    proc = _run_sharded(
+        stack,
+        tmp_path,
+        job_id,
+        0,
+        args,
+        TR_STEPS=str(STEPS),
+        TR_HANG_AT=f"{KILL_STEP}:1",
+        **sharded,
+        **_alone(job_id),
+    )
+    [hung] = wait_until(lambda: _run_files(stack, job_id, "hung"), 300, "rank 1 to hang")
+    where = ["--node", hung["node"], "--gpu", str(hung["gpu"]), "--code", "79"]
+    fault = subprocess.run(
+        [sys.executable, "-m", "torchrelay.cli", "chaos", "xid", *where],
+        env=stack.env(**_alone(job_id)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert fault.returncode == 0, fault.stderr
+    rc = proc.wait(400)
+    log = (tmp_path / f"{job_id}.log").read_text()
+    assert rc == 0, log[-4000:]
+    assert f"restart 1/3 of job {job_id} at 2 ranks (was 4)" in log, log[-4000:]
+    assert "30 steps kept, 7 lost" in log, log[-4000:]
+    assert "the job restarted at 2 ranks from a checkpoint of 4" in log, log[-4000:]
+    final = _run_files(stack, job_id, "digest")
+    assert sorted(d["rank"] for d in final) == [0, 1]
+    with stack.api() as api:
+        ranks = api.get(f"/v1/jobs/{job_id}").raise_for_status().json()["ranks"]
+    assert len(ranks) == 2
+    assert (hung["node"], hung["gpu"]) not in {(r["node"], r["gpu"]) for r in ranks}
+    assert {d["full"] for d in final} == expected
+    incident = wait_until(lambda: _restarted(stack, job_id), 60, "the restart's stall")
+    assert incident["resolution"] == "checkpoint_restart"
+    assert incident["fault_kind"] == "gpu_lost"
+    assert incident["rank"] == 1
+    assert incident["lost_steps"] == 7
 
 
 @FULL_ONLY  # make test covers the fallback in test_sharded.py (no checkpoint there)
@@ -171,14 +244,14 @@ def test_an_hsdp_pair_lost_whole_goes_to_the_restart_and_ends_bitwise(
     """Ranks 1 and 3 hold HSDP's shard 1: both killed at once, no copy of it survives. The
     spares cannot be given it, so the migration fails over to checkpoint_restart and the
     job resumes from its checkpoint of step 10, bitwise equal to the fault-free run."""
-    ref = _run_hsdp(stack, tmp_path, "hsdp-ref", 0, [])
+    ref = _run_sharded(stack, tmp_path, "hsdp-ref", 0, [])
     assert ref.wait(300) == 0, (tmp_path / "hsdp-ref.log").read_text()[-3000:]
     expected = _shard_digests(stack, "hsdp-ref")
     assert sorted(expected) == [0, 1, 2, 3]
 
     job_id = "hsdp-pair"
     args = ["--policy", "checkpoint_restart", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    proc = _run_hsdp(
+    proc = _run_sharded(
         stack,
         tmp_path,
         job_id,

@@ -9,7 +9,10 @@ a TP group see the same batch). ``TR_STEPS`` steps of AdamW, the global gradient
 (at a norm low enough that it always clips) but under TP.
 
 ``TR_KILL_AT=POINT:STEP:RANK[+RANK...]`` kills the workers started as those ranks at a
-point of a step the script reaches itself (:func:`maybe_die`); ``TR_CORRUPT_RANK=r``
+point of a step the script reaches itself (:func:`maybe_die`); ``TR_HANG_AT=STEP:RANK``
+makes that rank's first worker stop before STEP's forward, as on a GPU that fell off the
+bus, after writing <member_id>.hung.json with its node and GPU (for the test to inject
+the GPU's fault there); ``TR_CORRUPT_RANK=r``
 perturbs rank r's shard after step 4 (what the divergence guard must catch). At the end
 each rank writes <TORCHRELAY_RUN_DIR>/<member_id>.digest.json with the sha256 of its
 tracked state (its shards). ``TR_FULL_AT=STEP`` (or ``end``) adds "full": the sha256 of
@@ -87,6 +90,19 @@ def maybe_die(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+hang_at = os.environ.get("TR_HANG_AT", ":").split(":")
+
+
+def maybe_hang(step: int) -> None:
+    """Stop for good at STEP of ``TR_HANG_AT`` if this first worker holds its rank."""
+    first = re.search(r"-r\d+-w\d+$", member) is None
+    if first and [str(step), str(job.rank)] == hang_at:
+        where = {"node": job.node, "gpu": job.gpu, "rank": job.rank, "step": step}
+        (run_dir / f"{member}.hung.json").write_text(json.dumps(where))
+        while True:
+            time.sleep(60)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -131,6 +147,7 @@ for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
     step_times.append(time.perf_counter())
     if full_at == str(step):
         full = full_digest()
+    maybe_hang(step)
     maybe_die("forward", step)
     loss = nn.functional.mse_loss(model(x), y)
     maybe_die("backward", step)

@@ -335,6 +335,11 @@ class GradientExchange(Recovery):
         self._drop_gradients()
         self._mark("checkpoint_loaded", steps=steps)
         log.warning("torchrelay: %s resumes from %s (%d steps)", self.member_id, found.path, steps)
+        gen = self._gen or self._latest
+        world = found.world_size if gen is None else gen.world_size
+        if found.world_size != world and self._current_rank() == 0:
+            what = f"the job restarted at {world} ranks from a checkpoint of {found.world_size}"
+            self._say_shrunk(found.world_size, world, what)
 
     def _wait_checkpoints(self, timeout_s: float = 120.0) -> None:
         """At the end: the checkpoints in flight get written (the last one included)."""

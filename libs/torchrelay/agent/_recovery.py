@@ -182,8 +182,9 @@ class Recovery(ProcessHooks):
             }
             return
 
-    def _say_shrunk(self, before: int, after: int) -> None:
-        """The job shrank (policy shrink): what changed in the step's math."""
+    def _say_shrunk(self, before: int, after: int, what: str = "") -> None:
+        """The job shrank (policy shrink, or a restart on fewer slots, ``what`` saying so):
+        what changed in the step's math."""
         per_rank = getattr(self._feed, "batch_size", None)
         batch = (
             f"{after} x {per_rank} = {after * per_rank} samples (was {before * per_rank})"
@@ -191,7 +192,8 @@ class Recovery(ProcessHooks):
             else f"{after}/{before} of what it was"
         )
         print(
-            f"torchrelay: the job shrank from {before} to {after} ranks: each step now "
+            f"torchrelay: {what or f'the job shrank from {before} to {after} ranks'}: "
+            f"each step now "
             f"averages {after} ranks' batches, so the global batch is {batch}; the learning "
             "rate and its schedule are unchanged, and the run no longer matches one without "
             "the fault",

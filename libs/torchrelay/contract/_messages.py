@@ -395,6 +395,11 @@ class MigrationFailed(Event):
     job_id: Token
     reason: str
     fallback: Resolution
+    # The slot the failed rank was on and why: a checkpoint restart leaves out a slot
+    # whose GPU failed (docs/design.md §13). None from executors before these fields.
+    node: Name | None = None
+    gpu: int | None = Field(default=None, ge=0)
+    fault_kind: FaultKind | None = None
 
 
 # --------------------------------------------------------------------------- spares

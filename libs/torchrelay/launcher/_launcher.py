@@ -708,13 +708,13 @@ class Launcher:
             return
         if failed.fallback.value in ("shrunk", "excluded"):
             return  # the job goes on with one rank fewer, or the warning no longer matters
+        self._restarts.note(failed)
         if self._restarts.covers(failed):
             return  # one restart replaces every process: the other failures' too
         problem = None
         if failed.fallback == Resolution.CHECKPOINT_RESTART:
-            problem = self._restarts.problem()
+            problem = await self._restarts.take(self, failed)
             if problem is None:
-                self._restarts.start(self, failed)
                 return
         why = f"a rank could not be migrated live ({failed.reason})"
         self._gave_up = (
