@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS")
     run.add_argument(
+        "--checkpoint-every-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds between checkpoints (with --checkpoint-every: whichever comes first)",
+    )
+    run.add_argument(
         "--checkpoint-keep", type=int, default=None, metavar="N", help="complete ones kept (2)"
     )
     run.add_argument(

@@ -20,7 +20,7 @@ the whole unsharded state, gathered before STEP's forward (or after the last ste
 same at any world size. The model is ``Linear(16, W)``, ``TR_HIDDEN`` (1) layers
 ``Linear(W, W)`` and ``Linear(W, 1)`` with ``W = TR_WIDTH`` (64); the digest file also
 holds each step's start time (``step_times``) and the peak resident memory
-(``max_rss_bytes``).
+(``max_rss_bytes``). ``TR_STEP_SLEEP`` (seconds) makes each step that much longer.
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ for step, (x, y) in job.batches(data, batch_size=8, max_steps=steps):
     if full_at == str(step):
         full = full_digest()
     maybe_hang(step)
+    time.sleep(float(os.environ.get("TR_STEP_SLEEP", "0")))
     maybe_die("forward", step)
     loss = nn.functional.mse_loss(model(x), y)
     maybe_die("backward", step)

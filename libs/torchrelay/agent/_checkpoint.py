@@ -75,8 +75,9 @@ class CheckpointSettings:
     ``TORCHRELAY_CHECKPOINT_*`` environment the launcher sets from ``--checkpoint-*``)."""
 
     directory: Path
-    every: int
+    every: int | None  # steps between checkpoints (None: by time only)
     keep: int = DEFAULT_KEEP
+    every_s: float | None = None  # seconds between checkpoints, on rank 0's clock
 
 
 def _whole(name: str, raw: Any, least: int) -> int:
@@ -90,10 +91,22 @@ def _whole(name: str, raw: Any, least: int) -> int:
     return raw
 
 
+def _seconds(name: str, raw: Any) -> float:
+    if isinstance(raw, str):
+        try:
+            raw = float(raw.strip())
+        except ValueError:
+            raise AgentError(f"{name}={raw!r} is not a number of seconds") from None
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw < 1e9:
+        raise AgentError(f"{name}={raw!r}: give a number of seconds > 0")
+    return float(raw)
+
+
 def checkpoint_settings(
     directory: str | os.PathLike[str] | None,
     every: int | None,
     keep: int | None,
+    every_s: float | None = None,
 ) -> CheckpointSettings | None:
     """The settings from the arguments, else the environment; None: no checkpoints.
 
@@ -102,20 +115,22 @@ def checkpoint_settings(
     """
     raw_dir = directory if directory is not None else os.environ.get("TORCHRELAY_CHECKPOINT_DIR")
     if raw_dir is None or str(raw_dir).strip() == "":
-        if every is not None:
+        if every is not None or every_s is not None:
             raise AgentError("checkpoint_every needs checkpoint_dir (where to write them)")
         return None
     raw_every = every if every is not None else os.environ.get("TORCHRELAY_CHECKPOINT_EVERY")
-    if raw_every is None:
+    raw_s = every_s if every_s is not None else os.environ.get("TORCHRELAY_CHECKPOINT_EVERY_S")
+    if raw_every is None and raw_s is None:
         raise AgentError(
             f"checkpoint_dir={str(raw_dir)!r} needs checkpoint_every (steps between "
-            "checkpoints), or TORCHRELAY_CHECKPOINT_EVERY"
+            "checkpoints) or checkpoint_every_s (seconds), or TORCHRELAY_CHECKPOINT_EVERY(_S)"
         )
     raw_keep = keep if keep is not None else os.environ.get("TORCHRELAY_CHECKPOINT_KEEP")
     return CheckpointSettings(
         directory=Path(raw_dir),
-        every=_whole("checkpoint_every", raw_every, 1),
+        every=None if raw_every is None else _whole("checkpoint_every", raw_every, 1),
         keep=DEFAULT_KEEP if raw_keep is None else _whole("checkpoint_keep", raw_keep, 1),
+        every_s=None if raw_s is None else _seconds("checkpoint_every_s", raw_s),
     )
 
 

@@ -285,12 +285,33 @@ class GradientExchange(Recovery):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _checkpoint_due(self) -> bool:
-        """Whether the committed step ends a checkpoint interval not yet considered."""
+    def _checkpoint_if_due(self, gen: Generation) -> bool:
+        """Write the committed step's checkpoint if it ends an interval not yet considered;
+        False when a collective failed and the generation must be left."""
         settings, steps = self.checkpoints, self._committed + 1
         if settings is None or steps <= self._checkpoint_last:
-            return False
-        return steps % settings.every == 0
+            return True
+        due: bool | None = settings.every is not None and steps % settings.every == 0
+        if not due and settings.every_s is not None:
+            due = self._agree_time_due(gen, settings.every_s)
+            if due is None:
+                return False
+        return not due or self._write_checkpoint(gen)
+
+    def _agree_time_due(self, gen: Generation, every_s: float) -> bool | None:
+        """Whether rank 0's clock says a checkpoint is due: one int64 all-reduced, so every
+        rank takes it at the same step (None: the collective failed)."""
+        pg, rank = self._pg, self._current_rank()
+        late = rank == 0 and time.monotonic() - self._checkpoint_clock >= every_s
+        vote = torch.tensor([1 if late else 0], dtype=torch.int64, device=self.backend.device)
+        try:
+            self._run(pg.allreduce([vote], dist.AllreduceOptions()), pg, self._stale(gen))
+        except Abandoned:
+            return None
+        except CollectiveError as exc:
+            self._collective_failed(gen, rank, exc)
+            return None
+        return bool(vote.item() > 0)
 
     def _write_checkpoint(self, gen: Generation) -> bool:
         """Start this rank's part of the checkpoint of the committed step (docs/design.md
@@ -299,6 +320,7 @@ class GradientExchange(Recovery):
         assert settings is not None
         steps = self._committed + 1
         self._checkpoint_last = steps
+        self._checkpoint_clock = time.monotonic()
         rank = self._current_rank()
         staged = stage(self._tracked, steps)
         write = CheckpointWrite(

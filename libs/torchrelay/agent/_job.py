@@ -50,6 +50,7 @@ class Job(GradientExchange):
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         checkpoint_keep: int | None = None,
+        checkpoint_every_s: float | None = None,
     ) -> None:
         super().__init__(
             collective_timeout_s=collective_timeout_s,
@@ -60,6 +61,7 @@ class Job(GradientExchange):
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             checkpoint_keep=checkpoint_keep,
+            checkpoint_every_s=checkpoint_every_s,
         )
         self._install_exit_hooks()
         self._report(
@@ -209,7 +211,7 @@ class Job(GradientExchange):
             gen = self._gen
             assert gen is not None
             assert self._rank is not None
-            if self._checkpoint_due() and not self._write_checkpoint(gen):
+            if not self._checkpoint_if_due(gen):
                 continue
             step = self._committed + 1
             if step >= max_steps:
@@ -387,6 +389,9 @@ def init(warm_up: Callable[[], object] | None = None, **kwargs: Any) -> Job:
             from the newest complete one there, and the ``checkpoint_restart`` policy
             restarts the job from it (a shared file system for a job across hosts).
         checkpoint_every: steps between checkpoints (``TORCHRELAY_CHECKPOINT_EVERY``).
+        checkpoint_every_s: seconds between checkpoints, on rank 0's clock
+            (``TORCHRELAY_CHECKPOINT_EVERY_S``); with ``checkpoint_every`` too, whichever
+            comes first. The ranks agree on it in one small all-reduce a step.
         checkpoint_keep: how many complete checkpoints to keep (default 2).
     """
     if warm_up is not None and not callable(warm_up):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,12 @@ class Member:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         checkpoint_keep: int | None = None,
+        checkpoint_every_s: float | None = None,
     ) -> None:
         self.verify_every = verify_every_setting(verify_every)
-        self.checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every, checkpoint_keep)
+        self.checkpoints = checkpoint_settings(
+            checkpoint_dir, checkpoint_every, checkpoint_keep, checkpoint_every_s
+        )
         # Pure FSDP's buddy copies (docs/design.md §12); off (the bench's baseline), a lost
         # rank whose shard no other rank holds goes to the job's fallback.
         self.buddy_copies = os.environ.get("TORCHRELAY_BUDDY_COPIES", "1") != "0"
@@ -116,6 +120,7 @@ class Member:
         # Checkpoints (docs/design.md §13): the steps of the last one considered (taken, or
         # skipped because a generation began there), the writes still in flight.
         self._checkpoint_last = 0
+        self._checkpoint_clock = time.monotonic()  # when this rank last checkpointed
         self._checkpoint_writes: list[CheckpointWrite] = []
         self._checkpoint_loaded = False
         self._exit_status = 0

@@ -97,7 +97,7 @@ def host_plan(args: argparse.Namespace, job_id: str) -> HostPlan | None:
 
 
 def checkpoint_env(args: argparse.Namespace, env: dict[str, str]) -> Path | None:
-    """``--checkpoint-dir/--checkpoint-every/--checkpoint-keep`` into the children's
+    """``--checkpoint-dir/--checkpoint-every(-s)/--checkpoint-keep`` into the children's
     environment (``TORCHRELAY_CHECKPOINT_*``); returns the folder (None: no checkpoints).
 
     Raises:
@@ -105,13 +105,23 @@ def checkpoint_env(args: argparse.Namespace, env: dict[str, str]) -> Path | None
     """
     folder = getattr(args, "checkpoint_dir", None)
     every = getattr(args, "checkpoint_every", None)
+    every_s = getattr(args, "checkpoint_every_s", None)
     keep = getattr(args, "checkpoint_keep", None)
     if folder is None:
-        if every is not None or keep is not None:
-            raise LauncherError("--checkpoint-every/--checkpoint-keep need --checkpoint-dir")
+        if every is not None or every_s is not None or keep is not None:
+            raise LauncherError(
+                "--checkpoint-every/--checkpoint-every-s/--checkpoint-keep need --checkpoint-dir"
+            )
         return None
-    if every is None or every < 1:
-        raise LauncherError("--checkpoint-dir needs --checkpoint-every N (N >= 1 steps)")
+    if every is None and every_s is None:
+        raise LauncherError(
+            "--checkpoint-dir needs --checkpoint-every N (N >= 1 steps) or "
+            "--checkpoint-every-s S (seconds)"
+        )
+    if every is not None and every < 1:
+        raise LauncherError(f"--checkpoint-every {every}: give N >= 1 steps")
+    if every_s is not None and not 0 < every_s < 1e9:
+        raise LauncherError(f"--checkpoint-every-s {every_s}: give a number of seconds > 0")
     if keep is not None and keep < 1:
         raise LauncherError("--checkpoint-keep must be at least 1")
     path = Path(folder).resolve()
@@ -120,7 +130,10 @@ def checkpoint_env(args: argparse.Namespace, env: dict[str, str]) -> Path | None
     except OSError as exc:
         raise LauncherError(f"--checkpoint-dir {folder}: {exc.strerror or exc}") from None
     env["TORCHRELAY_CHECKPOINT_DIR"] = str(path)
-    env["TORCHRELAY_CHECKPOINT_EVERY"] = str(every)
+    if every is not None:
+        env["TORCHRELAY_CHECKPOINT_EVERY"] = str(every)
+    if every_s is not None:
+        env["TORCHRELAY_CHECKPOINT_EVERY_S"] = repr(float(every_s))
     if keep is not None:
         env["TORCHRELAY_CHECKPOINT_KEEP"] = str(keep)
     return path

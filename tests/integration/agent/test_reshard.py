@@ -52,3 +52,30 @@ async def test_a_4_rank_fsdp2_checkpoint_loads_whole_at_2_ranks(
     assert sorted(loaded) == [0, 1]
     assert set(loaded.values()) == set(written.values())
     assert "resumes from" in two.output()
+
+
+async def test_checkpoints_by_time_agree_across_ranks_and_change_nothing(
+    runner: JobRunner, tmp_path: Path
+) -> None:
+    """``TORCHRELAY_CHECKPOINT_EVERY_S``: rank 0's clock decides, every rank takes the same
+    step's checkpoint (else none would complete), and the run ends in the same state as
+    one without checkpoints."""
+    steps = {"TR_MESH": "fsdp", "TR_STEPS": "30", "TR_FULL_AT": "end", "TR_STEP_SLEEP": "0.05"}
+    plain, _ = await runner.start("timed-ref", nproc=2, env=steps, script=SCRIPT)
+    assert await plain.wait() == 0, plain.output()[-4000:]
+    ckpt = tmp_path / "ckpt"
+    timed_env = {
+        **steps,
+        "TORCHRELAY_CHECKPOINT_DIR": str(ckpt),
+        "TORCHRELAY_CHECKPOINT_EVERY_S": "0.4",
+        "TORCHRELAY_CHECKPOINT_KEEP": "50",
+    }
+    timed, _ = await runner.start("timed", nproc=2, env=timed_env, script=SCRIPT)
+    assert await timed.wait() == 0, timed.output()[-4000:]
+    manifests = [json.loads(p.read_text()) for p in sorted(ckpt.glob("*/torchrelay.json"))]
+    # 30 steps of >= 50 ms: at least 1.5 s, so at least 2 checkpoints 0.4 s apart.
+    assert len(manifests) >= 2, sorted(p.name for p in ckpt.iterdir())
+    assert all(m["world_size"] == 2 for m in manifests)
+    assert len({m["steps"] for m in manifests}) == len(manifests)
+    assert all(0 < m["steps"] <= 30 for m in manifests)
+    assert _full(timed.run_dir) == _full(plain.run_dir)

@@ -192,22 +192,35 @@ def test_settings_come_from_the_arguments_then_the_environment(
     monkeypatch.setenv("TORCHRELAY_CHECKPOINT_EVERY", "50")
     assert checkpoint_settings(None, None, None) == CheckpointSettings(tmp_path, 50, 2)
     assert checkpoint_settings(tmp_path / "x", 5, 3) == CheckpointSettings(tmp_path / "x", 5, 3)
+    monkeypatch.delenv("TORCHRELAY_CHECKPOINT_EVERY")
+    monkeypatch.setenv("TORCHRELAY_CHECKPOINT_EVERY_S", "2.5")
+    assert checkpoint_settings(None, None, None) == CheckpointSettings(tmp_path, None, 2, 2.5)
+    assert checkpoint_settings(None, 7, None, 60) == CheckpointSettings(tmp_path, 7, 2, 60.0)
 
 
 @pytest.mark.parametrize(
-    ("directory", "every", "keep", "message"),
+    ("directory", "every", "keep", "every_s", "message"),
     [
-        (None, 10, None, "checkpoint_every needs checkpoint_dir"),
-        ("ck", None, None, "needs checkpoint_every"),
-        ("ck", 0, None, r"checkpoint_every=0: give a whole number >= 1"),
-        ("ck", "ten", None, "checkpoint_every='ten' is not a whole number"),
-        ("ck", 10, 0, r"checkpoint_keep=0: give a whole number >= 1"),
+        (None, 10, None, None, "checkpoint_every needs checkpoint_dir"),
+        (None, None, None, 30, "checkpoint_every needs checkpoint_dir"),
+        ("ck", None, None, None, "needs checkpoint_every .* or checkpoint_every_s"),
+        ("ck", 0, None, None, r"checkpoint_every=0: give a whole number >= 1"),
+        ("ck", "ten", None, None, "checkpoint_every='ten' is not a whole number"),
+        ("ck", 10, 0, None, r"checkpoint_keep=0: give a whole number >= 1"),
+        ("ck", None, None, "0", r"checkpoint_every_s=0.0: give a number of seconds > 0"),
+        ("ck", None, None, "soon", "checkpoint_every_s='soon' is not a number of seconds"),
+        ("ck", None, None, True, r"checkpoint_every_s=True: give a number of seconds"),
     ],
 )
 def test_bad_checkpoint_settings_are_named(
-    monkeypatch: pytest.MonkeyPatch, directory: Any, every: Any, keep: Any, message: str
+    monkeypatch: pytest.MonkeyPatch,
+    directory: Any,
+    every: Any,
+    keep: Any,
+    every_s: Any,
+    message: str,
 ) -> None:
-    for name in ("DIR", "EVERY", "KEEP"):
+    for name in ("DIR", "EVERY", "KEEP", "EVERY_S"):
         monkeypatch.delenv(f"TORCHRELAY_CHECKPOINT_{name}", raising=False)
     with pytest.raises(AgentError, match=message):
-        checkpoint_settings(directory, every, keep)
+        checkpoint_settings(directory, every, keep, every_s)

@@ -176,6 +176,13 @@ def test_checkpoint_flags_reach_every_process_and_bad_ones_are_named(
         opts("--checkpoint-every", "10")
     with pytest.raises(LauncherError, match="--checkpoint-keep must be at least 1"):
         opts("--checkpoint-dir", "ck", "--checkpoint-every", "10", "--checkpoint-keep", "0")
+    timed = opts("--checkpoint-dir", "ck", "--checkpoint-every-s", "90")
+    assert timed.extra_env["TORCHRELAY_CHECKPOINT_EVERY_S"] == "90.0"
+    assert "TORCHRELAY_CHECKPOINT_EVERY" not in timed.extra_env
+    with pytest.raises(LauncherError, match=r"--checkpoint-every-s -1\.0: give a number"):
+        opts("--checkpoint-dir", "ck", "--checkpoint-every-s", "-1")
+    with pytest.raises(LauncherError, match="--checkpoint-every 0: give N >= 1"):
+        opts("--checkpoint-dir", "ck", "--checkpoint-every", "0")
     with pytest.raises(LauncherError, match="--max-restarts must be a whole number >= 0"):
         opts("--max-restarts", "-1")
     (tmp_path / "file").write_text("")
