@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 HUNG = frozenset({"worker_lost", "worker_hang"})
 
 
+# make test covers a stopped rank in tests/integration/agent/test_migration.py and the
+# conformance matrix; this end-to-end form runs with `make chaos`.
+@pytest.mark.chaos_extended
 def test_sigstop_worker(
     chaos_stack: Stack,
     contract_id: str,
