@@ -153,12 +153,15 @@ class Executor:
     async def on_migration_requested(self, request: MigrationRequested) -> None:
         """Start the migration's saga once; a repeated request finds it and does nothing."""
         job = await self.store.job(request.job_id)
+        # The world size now, not at registration: a shrink or a restart on fewer slots
+        # may have made it smaller (a job of one rank cannot shrink).
+        current = await self.ctx.bus.get_generation(request.job_id)
         terms = (
             JobTerms()
             if job is None
             else JobTerms(
                 cluster=job.cluster,
-                world_size=job.world_size,
+                world_size=job.world_size if current is None else current[0].world_size,
                 policy=job.policy,
                 wait_timeout_s=job.wait_timeout_s,
                 allow_shrink=job.allow_shrink,

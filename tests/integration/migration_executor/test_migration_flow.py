@@ -330,6 +330,33 @@ async def test_shrink_policy_writes_a_smaller_generation(
         assert inc.generation_after == 2
 
 
+async def test_a_job_shrunk_to_one_rank_falls_back_instead_of_shrinking_again(
+    bus: Bus,
+    redis: aioredis.Redis,
+    nats_url: str,
+    redis_url: str,
+    tap: EventTap,
+    pool: SparePoolView,
+) -> None:
+    """A job shrunk to one rank cannot shrink again: its next failure falls back to the
+    restart. The failure names the failed rank's slot and fault (what the launcher's
+    restart leaves out)."""
+    job = SimJob(bus, "j6b", world_size=2, spares=0, policy=JobPolicy.SHRINK, allow_shrink=True)
+    async with control_plane(nats_url, redis_url):
+        await job.start()
+        await bus.publish(job.fault(rank=1), Subjects.FAULT_DETECTED)
+        gen2 = await job.generation(2)
+        assert [a.member_id for a in gen2.ranks] == ["j6b-w0"]
+        await bus.publish(job.fault(rank=0), Subjects.FAULT_DETECTED)
+        failed = await tap.wait(
+            MigrationFailed, job_id="j6b", fallback=Resolution.CHECKPOINT_RESTART
+        )
+        slot = job.worker(0)
+        assert (failed.node, failed.gpu) == (slot.node, slot.gpu)
+        assert failed.fault_kind == FaultKind.WORKER_LOST
+        assert (await bus.get_generation("j6b"))[0].generation == 2  # type: ignore[index]
+
+
 async def test_spare_that_never_resumes_is_replaced_by_the_next(
     bus: Bus,
     redis: aioredis.Redis,
