@@ -49,6 +49,7 @@ from torchrelay.service import ServiceContext
 
 from . import rules
 from .credentials import setup_credentials
+from .goodput import GoodputVerbs
 from .hosts import setup_hosts
 from .incidents import IncidentStore
 from .registry import JobRegistry
@@ -111,6 +112,8 @@ class Scheduler:
         # Restarted jobs whose first step is awaited: job -> (incident, the new members).
         self._restarting: dict[str, tuple[str, frozenset[str]]] = {}
         self._pids: dict[str, dict[str, int]] = {}
+        # The agents' step times since the last flush: job -> (sum of seconds, step beats).
+        self._step_times: dict[str, tuple[float, int]] = {}
         self.incidents_total = Counter(
             "incidents_total",
             "Incidents closed, by resolution and fault kind",
@@ -534,6 +537,10 @@ class Scheduler:
             return
         if step >= 0 and step > self._steps.get(job_id, -1):
             self._steps[job_id] = step
+        step_time = beat.get("step_time_s")
+        if beat.get("kind") == "step" and isinstance(step_time, int | float) and step_time >= 0:
+            total, count = self._step_times.get(job_id, (0.0, 0))
+            self._step_times[job_id] = (total + float(step_time), count + 1)
         pending = self._restarting.get(job_id)
         if pending is not None and member_id in pending[1] and beat.get("kind") == "step":
             await self._restart_stepped(job_id, utcnow())
@@ -544,8 +551,11 @@ class Scheduler:
         """Write the throttled committed steps and process ids to Redis."""
         steps, self._steps = self._steps, {}
         pids, self._pids = self._pids, {}
+        step_times, self._step_times = self._step_times, {}
         for job_id, step in steps.items():
             await self.jobs.record_step(job_id, step)
+        for job_id, (total, count) in step_times.items():
+            await self.jobs.record_step_times(job_id, total, count)
         for job_id, members in pids.items():
             await self.jobs.record_pids(job_id, members)
 
@@ -665,8 +675,18 @@ async def setup(ctx: ServiceContext) -> None:
             await scheduler.flush_heartbeats()
 
     ctx.closers.append(_final_flush)
-    for verb in ("job_list", "job_get", "job_timeline", "incident_list", "incident_get", "drain"):
+    for verb in (
+        "job_list",
+        "job_get",
+        "job_timeline",
+        "incident_list",
+        "incident_get",
+        "drain",
+    ):
         await ctx.serve(verb, getattr(scheduler, verb))
+    goodput = GoodputVerbs(scheduler.jobs, scheduler.incidents)
+    for verb in ("job_goodput", "tenant_goodput"):
+        await ctx.serve(verb, getattr(goodput, verb))
     await setup_credentials(ctx)  # job-scoped NATS credentials, auth callout (credentials.py)
     await setup_hosts(ctx)  # the rendezvous of jobs across hosts (hosts.py)
     ctx.readiness["consumer"] = "scheduler"

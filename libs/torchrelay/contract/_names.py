@@ -228,6 +228,9 @@ RPC_VERBS: dict[str, tuple[str, ...]] = {
         "job_list",
         "job_get",
         "job_timeline",
+        # Goodput (docs/design.md §14): one job's, a tenant's in a window.
+        "job_goodput",
+        "tenant_goodput",
         "incident_list",
         "incident_get",
         "drain",
