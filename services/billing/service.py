@@ -1,6 +1,7 @@
 """The billing service: closed incidents into the ledger, and the billing RPC verbs.
 
-Consumes ``IncidentClosed`` on the durable consumer ``billing`` and answers
+Consumes ``IncidentClosed`` and ``IncidentAmended`` on the durable consumer ``billing`` (an
+amendment: a restart's lost steps and stall, learnt after the close) and answers
 ``tr.rpc.billing.<verb>`` for the verbs of ``contract.RPC_VERBS["billing"]`` (plus
 ``ledger_correct``, the operator's way to append a correction).
 """
@@ -23,6 +24,7 @@ from torchrelay.bus import (
 from torchrelay.contract import (
     Event,
     Incident,
+    IncidentAmended,
     IncidentClosed,
     Message,
     Subjects,
@@ -108,6 +110,9 @@ class BillingService:
     async def on_event(self, event: Event, delivery: Delivery) -> None:
         """Record a closed incident; a conflicting redelivery goes to the dead letters."""
         del delivery
+        if isinstance(event, IncidentAmended):
+            await self.on_amended(event)
+            return
         if not isinstance(event, IncidentClosed):
             return  # IncidentOpened: the ledger records incidents once they are closed
         result = await self.ledger.record(event.incident)
@@ -118,6 +123,16 @@ class BillingService:
                 f"(chain {result.chain}, seq {result.seq}) with other content; the original is "
                 "kept and this version is recorded as a conflict"
             )
+
+    async def on_amended(self, event: IncidentAmended) -> None:
+        """Append an amendment; one that arrives before its incident's entry is redelivered
+        later (NotRecordedYet is not permanent), one that would change more is refused."""
+        try:
+            result = await self.ledger.amend(event.incident, event.reason)
+        except CorrectionRefused as exc:
+            self.appends.labels("refused").inc()
+            raise PermanentError(f"ledger amendment refused: {exc}") from exc
+        self.appends.labels(result.outcome).inc()
 
     # ------------------------------------------------------------------ contracts
 

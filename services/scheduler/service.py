@@ -28,6 +28,7 @@ from torchrelay.contract import (
     FaultKind,
     GenerationChanged,
     Incident,
+    IncidentAmended,
     IncidentClosed,
     IncidentOpened,
     JobFinished,
@@ -395,6 +396,37 @@ class Scheduler:
             },
         )
 
+    async def _publish_amended(self, incident: Incident | None, field: str, why: str) -> None:
+        """Tell billing what a closed incident learnt (the ledger appends an amendment).
+
+        An incident still open gets the field with its close instead. The event id names the
+        incident, the field and its value, so a redelivered restart publishes it once.
+        """
+        if incident is None or incident.resolution == Resolution.OPEN:
+            return
+        value = getattr(incident, field)
+        at = utcnow()
+        await self.ctx.bus.publish(
+            IncidentAmended(
+                event_id=make_event_id("incident_amended", incident.incident_id, field, value),
+                source=SERVICE,
+                occurred_at=at,
+                incident=incident,
+                reason=f"{incident.resolution.value}: {field} ({why}) known after the close",
+            ),
+            Subjects.INCIDENT_AMENDED,
+        )
+        await self.jobs.add_timeline(
+            incident.job_id,
+            at,
+            {
+                "type": "incident_amended",
+                "incident_id": incident.incident_id,
+                "stall_ms": incident.stall_ms,
+                "lost_steps": incident.lost_steps,
+            },
+        )
+
     async def on_drain(self, drain: DrainRequested) -> None:
         """Planned maintenance: one proactive migration per rank on the node."""
         fault = FaultDetected(
@@ -494,7 +526,8 @@ class Scheduler:
         )
         if event.incident_id is None:
             return
-        await self.incidents.amend(event.incident_id, lost_steps=event.lost_steps)
+        amended = await self.incidents.amend(event.incident_id, lost_steps=event.lost_steps)
+        await self._publish_amended(amended, "lost_steps", "steps since the checkpoint")
         members = frozenset(m.member_id for m in event.members)
         self._restarting[event.job_id] = (event.incident_id, members)
 
@@ -507,7 +540,8 @@ class Scheduler:
         if incident is None:
             return
         stall_ms = max(0.0, (at - incident.detected_at).total_seconds() * 1000.0)
-        await self.incidents.amend(pending[0], stall_ms=stall_ms)
+        amended = await self.incidents.amend(pending[0], stall_ms=stall_ms)
+        await self._publish_amended(amended, "stall_ms", "fault to the restarted job's first step")
         self.migration_stall_seconds.labels(incident.resolution.value).observe(stall_ms / 1000)
 
     # ------------------------------------------------------------------ heartbeats

@@ -159,6 +159,7 @@ def role_permissions(role: str) -> Permissions:
                 Subjects.MIGRATION_REQUESTED,
                 Subjects.INCIDENT_OPENED,
                 Subjects.INCIDENT_CLOSED,
+                Subjects.INCIDENT_AMENDED,
                 Subjects.DRAIN_REQUESTED,
                 _rpc("spare_pool"),
                 Subjects.dlq(role),

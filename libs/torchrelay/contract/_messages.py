@@ -483,6 +483,15 @@ class IncidentClosed(Event):
     incident: Incident
 
 
+class IncidentAmended(Event):
+    """What was learnt about a closed incident after it closed: a checkpoint restart's lost
+    steps (at ``JobRestarted``) and its stall (at the restarted job's first step). Billing
+    appends it to the ledger as an ``amendment`` entry of the incident (docs/design.md §8)."""
+
+    incident: Incident  # the whole incident as now known
+    reason: str = Field(default="", max_length=500)
+
+
 # --------------------------------------------------------------------------- billing
 
 
