@@ -15,6 +15,7 @@ from prometheus_client import Counter
 from pydantic import Field
 
 from torchrelay.bus import (
+    BusError,
     Conflict,
     Delivery,
     NotFound,
@@ -233,7 +234,7 @@ class BillingService:
         except ContractInvalid as exc:
             raise RequestInvalid(str(exc), exc.field) from exc
         records = await self.ledger.credits(start=start, end=end)
-        rows = [credit_row(r, start, end) for r in records]
+        rows = [credit_row(r, start, end, await self.term_goodput(r["credit"])) for r in records]
         heads = {}
         for record in records:
             cid = record["credit"]["contract_id"]
@@ -248,6 +249,27 @@ class BillingService:
             "rows": len(rows),
             "chain_heads": heads,
         }
+
+    async def term_goodput(self, credit: dict[str, Any]) -> dict[str, Any] | None:
+        """The tenant's goodput over the credit's term, priced at its contract's price (the
+        scheduler's ``tenant_goodput``); None, and empty columns, when it does not answer."""
+        body: dict[str, Any] = {
+            "tenant": credit["tenant"],
+            "from": credit["term_start"],
+            "to": credit["term_end"],
+        }
+        try:
+            contract = await self.ledger.get_contract(str(credit["contract_id"]))
+            if contract.price_per_gpu_hour_minor is not None:
+                body["price_per_gpu_hour_minor"] = contract.price_per_gpu_hour_minor
+                body["currency"] = contract.currency
+            answer: dict[str, Any] = await self.ctx.bus.request(
+                Subjects.rpc("scheduler", "tenant_goodput"), body, timeout=5.0
+            )
+        except (BusError, LedgerError) as exc:
+            log.warning("no goodput for the term of %s: %s", credit["contract_id"], exc)
+            return None
+        return answer
 
     async def ledger_verify(self, body: dict[str, Any]) -> Any:
         req = VerifyRequest.model_validate(body)
