@@ -25,7 +25,16 @@ from services.api.errors import add_error_handlers
 from services.api.kept import INCIDENTS_PATH, KeptAnswers
 from services.api.limits import BodyLimit
 from services.api.openapi import build_openapi
-from services.api.routes import billing, fleet, health, incidents, jobs, spares, tokens
+from services.api.routes import (
+    billing,
+    fleet,
+    goodput,
+    health,
+    incidents,
+    jobs,
+    spares,
+    tokens,
+)
 from services.api.settings import DEFAULT_MAX_BODY_BYTES, ApiSettings
 from services.api.state import ApiState, bootstrap_operator_token, lifespan
 from services.api.ui import add_ui
@@ -33,7 +42,7 @@ from torchrelay import __version__
 from torchrelay.bus import Bus
 
 # In the order of the OpenAPI document's tags.
-ROUTERS = (health, tokens, fleet, spares, jobs, incidents, billing)
+ROUTERS = (health, tokens, fleet, spares, jobs, goodput, incidents, billing)
 
 
 class _HttpMetrics:

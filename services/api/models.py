@@ -300,6 +300,12 @@ class ContractRequest(BaseModel):
     threshold: float = Field(default=0.9, gt=0, le=1)
     credit_rate: float = Field(default=0.25, ge=0, le=1)
     count_proactive: bool = False
+    price_per_gpu_hour_minor: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_MINOR,
+        description="what a GPU-hour costs the tenant (minor units); prices goodput's savings",
+    )
 
     @field_validator("term_end")
     @classmethod
@@ -333,6 +339,67 @@ class CloseTermResult(Passthrough):
     closed_now: bool = False
 
 
+class GoodputIncident(Passthrough):
+    """One incident's lost GPU time and its cost under checkpoint restart."""
+
+    incident_id: str
+    resolution: str
+    world_size: int
+    stall_ms: float | None = None
+    lost_steps: int | None = None
+    stall_gpu_seconds: float
+    lost_steps_gpu_seconds: float
+    gpu_seconds_lost: float
+    counterfactual_gpu_seconds: float
+
+
+class Counterfactual(Passthrough):
+    """The same failures under checkpoint restart, and what torchrelay saved against it."""
+
+    policy: str = "checkpoint_restart"
+    checkpoint_every: int | None = None
+    restart_s: float
+    gpu_seconds_lost: float
+    gpu_seconds_saved: float
+    gpu_hours_saved: float
+    price_per_gpu_hour_minor: int | None = None
+    money_saved_minor: int | None = None
+    currency: str | None = None
+
+
+class GoodputFigures(Passthrough):
+    """allocated = progress + lost (GPU-seconds); ETTR = progress / allocated."""
+
+    gpu_seconds_allocated: float
+    gpu_seconds_progress: float
+    gpu_seconds_lost: float
+    ettr: float | None = None
+    counterfactual: Counterfactual
+
+
+class JobGoodput(GoodputFigures):
+    """A job's goodput, each incident's share of the lost time listed."""
+
+    job_id: str
+    tenant: str
+    state: str | None = None
+    world_size: int | None = None
+    committed_step: int | None = None
+    step_time_s: float | None = None
+    start: datetime | None = None
+    end: datetime | None = None
+    incidents: list[GoodputIncident] = Field(default_factory=list)
+
+
+class TenantGoodput(GoodputFigures):
+    """A tenant's goodput in a window: the sum, each job's, and each contract term's."""
+
+    tenant: str
+    incidents: int = 0
+    jobs: list[dict[str, Any]] = Field(default_factory=list)
+    terms: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class LedgerVerification(Passthrough):
     """The ledger's hash chain recomputed: ``first_bad`` names the first entry that differs."""
 
@@ -352,11 +419,15 @@ __all__ = [
     "ClusterView",
     "Contract",
     "ContractRequest",
+    "Counterfactual",
     "CreditView",
     "DrainAccepted",
     "DrainRequest",
+    "GoodputFigures",
+    "GoodputIncident",
     "Guarantee",
     "Incident",
+    "JobGoodput",
     "JobView",
     "LedgerVerification",
     "NodeReturned",
@@ -368,6 +439,7 @@ __all__ = [
     "SpareDepth",
     "SpareRegistration",
     "SpareSlot",
+    "TenantGoodput",
     "Timeline",
     "TimelineEntry",
     "Timestamp",

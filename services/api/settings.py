@@ -70,6 +70,13 @@ class ApiSettings(ServiceSettings):
     # Identical list queries of one token scope are answered from the last answer this long.
     list_cache_s: float = Field(default=1.0, ge=0, le=60)
     ui_refresh_s: int = Field(default=10, ge=1, le=3600)
+    # Goodput's counterfactual (docs/design.md §14): the operator's checkpoint interval for a
+    # job that writes none, the time one checkpoint restart takes (the u0 of Kokolis et al.,
+    # the goodput bench's), and a price per GPU-hour where the contract names none.
+    goodput_checkpoint_every: int = Field(default=1000, ge=1, le=10**9)
+    goodput_restart_s: float = Field(default=300.0, ge=0, le=10**7)
+    goodput_price_per_gpu_hour_minor: int | None = Field(default=None, ge=0, le=10**15)
+    goodput_currency: str | None = Field(default=None, pattern=r"^[A-Z]{3}$")
     # Request bodies larger than this are refused with 413 before they are read and before
     # the token is checked (TORCHRELAY_API_MAX_BODY_BYTES; services/api/limits.py).
     max_body_bytes: int = Field(

@@ -104,6 +104,16 @@ EVIDENCE_COLUMNS = (
     "x_CreditMinor",
     "x_LedgerSeq",
     "x_LedgerChainHead",
+    # The tenant's goodput over the term (docs/design.md §14), null when the scheduler did
+    # not answer: GPU-seconds allocated, of progress and lost to incidents, ETTR, and what
+    # checkpoint restart would have cost, as GPU-hours and minor units saved.
+    "x_GpuSecondsAllocated",
+    "x_GpuSecondsProgress",
+    "x_GpuSecondsLost",
+    "x_Ettr",
+    "x_CounterfactualGpuSecondsLost",
+    "x_GpuHoursSaved",
+    "x_MoneySavedMinor",
 )
 COLUMNS = FOCUS_COLUMNS + EVIDENCE_COLUMNS
 
@@ -117,10 +127,34 @@ def _parse(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
 
 
+def goodput_columns(goodput: dict[str, Any] | None) -> dict[str, str | None]:
+    """The ``x_`` goodput columns of a term from the scheduler's ``tenant_goodput`` answer."""
+    if goodput is None:
+        return {}
+    cf = goodput.get("counterfactual") or {}
+
+    def text(value: Any) -> str | None:
+        return None if value is None else str(value)
+
+    return {
+        "x_GpuSecondsAllocated": text(goodput.get("gpu_seconds_allocated")),
+        "x_GpuSecondsProgress": text(goodput.get("gpu_seconds_progress")),
+        "x_GpuSecondsLost": text(goodput.get("gpu_seconds_lost")),
+        "x_Ettr": text(goodput.get("ettr")),
+        "x_CounterfactualGpuSecondsLost": text(cf.get("gpu_seconds_lost")),
+        "x_GpuHoursSaved": text(cf.get("gpu_hours_saved")),
+        "x_MoneySavedMinor": text(cf.get("money_saved_minor")),
+    }
+
+
 def credit_row(
-    record: dict[str, Any], period_start: datetime, period_end: datetime
+    record: dict[str, Any],
+    period_start: datetime,
+    period_end: datetime,
+    goodput: dict[str, Any] | None = None,
 ) -> dict[str, str | None]:
-    """The FOCUS row of one stored credit record (see ``Ledger.close_term``)."""
+    """The FOCUS row of one stored credit record (see ``Ledger.close_term``), with the
+    tenant's goodput over the term when given (``goodput_columns``)."""
     credit = record["credit"]
     currency = str(credit["currency"])
     amount = str(to_decimal(-int(credit["amount_minor"]), currency))
@@ -176,6 +210,7 @@ def credit_row(
             "x_CreditMinor": str(credit["amount_minor"]),
             "x_LedgerSeq": str(record["close_seq"]),
             "x_LedgerChainHead": str(record["close_hash"]),
+            **goodput_columns(goodput),
         }
     )
     return row

@@ -10,6 +10,7 @@ all. The script answers:
   under ``conflict:<incident>`` and counted, the original entry is never touched;
 - ``stale``: the chain's head moved since the caller read it; the caller rebuilds the entry
   on the new head and tries again.
+An ``amendment`` (``amendments.py``) adds what an incident learnt after its close.
 
 Hashing (see ``chain.py``) happens in Python because Redis' Lua has no SHA-256; the script
 makes the chain safe by appending only when the caller's ``prev_hash``/``seq`` are still the
@@ -40,6 +41,7 @@ from typing import Any
 
 from torchrelay.contract import Contract, CreditIssued, Guarantee, Incident, utcnow
 
+from .amendments import AmendmentRefused, amended_fields, amendment_problem
 from .chain import GENESIS, BadEntry, ChainVerifier, canonical_json, digest, seal
 from .rules import (
     ContractRequest,
@@ -59,7 +61,7 @@ APPEND_LUA = (
 -- ARGV: 1 mode, 2 chain id, 3 expected head seq, 4 expected head hash, 5 entry json,
 --       6 entry hash, 7 content digest, 8 new class, 9 old class, 10 conflict json,
 --       11 closed json, 12 credit json, 13 credit id, 14 credit score, 15 now score,
---       16 incident id
+--       16 incident id, 17 (amendment) the incident's seq it follows
 local mode = ARGV[1]
 if mode == 'incident' then
   if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -75,6 +77,11 @@ elseif mode == 'correction' then
   local known = redis.call('HGET', KEYS[3], 'd:' .. ARGV[7])
   if known then return {'exists', known} end
   if redis.call('HGET', KEYS[3], 'class') ~= ARGV[9] then return {'stale', '0'} end
+elseif mode == 'amendment' then
+  if redis.call('EXISTS', KEYS[3]) == 0 then return {'missing', '0'} end
+  local known = redis.call('HGET', KEYS[3], 'd:' .. ARGV[7])
+  if known then return {'exists', known} end
+  if redis.call('HGET', KEYS[3], 'seq') ~= ARGV[17] then return {'stale', '0'} end
 elseif mode == 'close' then
   local closed = redis.call('GET', KEYS[7])
   if closed then return {'exists', closed} end
@@ -99,6 +106,8 @@ elseif mode == 'correction' then
   redis.call('HINCRBY', KEYS[4], ARGV[9], -1)
   redis.call('HINCRBY', KEYS[4], ARGV[8], 1)
   redis.call('HINCRBY', KEYS[4], 'corrections', 1)
+elseif mode == 'amendment' then
+  redis.call('HSET', KEYS[3], 'seq', seq, 'd:' .. ARGV[7], seq)
 elseif mode == 'close' then
   redis.call('SET', KEYS[7], ARGV[11])
   if ARGV[13] ~= '' then
@@ -159,6 +168,10 @@ class CorrectionRefused(LedgerError):
     """A correction names an unknown incident or moves it to another contract."""
 
 
+class NotRecordedYet(LedgerError):
+    """An amendment arrived before its incident's entry: try again later."""
+
+
 @dataclass(frozen=True)
 class AppendResult:
     """What the append script answered for one entry."""
@@ -190,7 +203,7 @@ def tally_of_entries(entries: list[dict[str, Any]]) -> Tally:
     """Recompute a chain's tally from its raw entries (the latest version of each incident)."""
     effective: dict[str, EntryClass] = {}
     for entry in entries:
-        if entry.get("kind") in ("incident", "correction"):
+        if entry.get("kind") in ("incident", "correction", "amendment"):
             effective[str(entry["incident_id"])] = EntryClass(entry["class"])
     return Tally.of(tuple(effective.values()))
 
@@ -447,6 +460,66 @@ class Ledger:
                 return AppendResult(outcome, chain, int(value), entry_class)
         raise RuntimeError(f"chain {chain} kept moving during {MAX_APPEND_TRIES} append tries")
 
+    async def amend(self, incident: Incident, reason: str) -> AppendResult:
+        """Append what a recorded incident learnt after its close (``amendments.py``).
+
+        Raises:
+            NotRecordedYet: the incident has no entry yet (its close is still on the way).
+            CorrectionRefused: the amendment moves the incident to another chain, changes
+                its class, or changes fields other than ``AMENDABLE``.
+        """
+        inc_key = self.key("inc", incident.incident_id)
+        content = incident.model_dump(mode="json")
+        content_digest, entry_class = digest(content), classify(incident)
+        not_yet = NotRecordedYet(f"incident {incident.incident_id} is not in the ledger yet")
+        for _ in range(MAX_APPEND_TRIES):
+            chain_raw, cur_seq, cur_class = await self.redis.hmget(inc_key, "chain", "seq", "class")
+            if chain_raw is None:
+                raise not_yet
+            chain, cur_seq = _text(chain_raw), _text(cur_seq)
+            known = await self.redis.hget(inc_key, f"d:{content_digest}")
+            if known is not None:
+                return AppendResult("exists", chain, int(known), entry_class)
+            if entry_class.value != _text(cur_class):
+                raise CorrectionRefused(
+                    f"the amendment changes how incident {incident.incident_id} counts "
+                    f"({_text(cur_class)} to {entry_class.value}); that is a correction",
+                    "resolution",
+                )
+            prior = json.loads(await self.redis.lindex(self.key("chain", chain), int(cur_seq) - 1))
+            try:
+                fields = amended_fields(prior["incident"], content)
+            except AmendmentRefused as exc:
+                raise CorrectionRefused(str(exc), "incident") from exc
+            seq, prev = await self.head(chain)
+            entry = seal(
+                {
+                    "seq": seq + 1,
+                    "chain": chain,
+                    "kind": "amendment",
+                    "incident_id": incident.incident_id,
+                    "class": entry_class.value,
+                    "amends_seq": int(cur_seq),
+                    "fields": fields,
+                    "reason": reason,
+                    "incident": content,
+                    "digest": content_digest,
+                    "recorded_at": self.clock().isoformat(),
+                    "prev_hash": prev,
+                }
+            )
+            args: list[Any] = ["amendment", chain, seq, prev, canonical_json(entry), entry["hash"]]
+            args += [content_digest, entry_class.value, _text(cur_class), "", "", "", "", 0]
+            args += [epoch_us(self.clock()), incident.incident_id, cur_seq]
+            outcome, value, *_ = await self._run(self._keys(chain, incident.incident_id), args)
+            if outcome == "missing":
+                raise not_yet
+            if outcome != "stale":
+                if outcome == "ok":
+                    self._heads[chain] = (int(value), str(entry["hash"]))
+                return AppendResult(outcome, chain, int(value), entry_class)
+        raise RuntimeError(f"incident {incident.incident_id} kept moving during amendment tries")
+
     async def _run(self, keys: list[str], args: list[Any]) -> list[str]:
         return [_text(v) for v in await self._append(keys=keys, args=args)]
 
@@ -692,12 +765,19 @@ class Ledger:
     async def _verify_chain_once(self, chain: str) -> tuple[int, BadEntry | None]:
         verifier = ChainVerifier(chain)
         effective: dict[str, EntryClass] = {}
+        latest: dict[str, tuple[int, str, dict[str, Any]]] = {}
         async for raw in self.raw_entries(chain):
             entry = verifier.feed(raw)
             if entry is None:
                 return verifier.checked, verifier.bad
-            if entry.get("kind") in ("incident", "correction"):
-                effective[str(entry["incident_id"])] = EntryClass(entry["class"])
+            kind, incident_id = entry.get("kind"), str(entry.get("incident_id"))
+            if kind == "amendment":
+                problem = amendment_problem(entry, latest.get(incident_id))
+                if problem is not None:
+                    return verifier.checked - 1, BadEntry(chain, incident_id, entry["seq"], problem)
+            if kind in ("incident", "correction", "amendment"):
+                effective[incident_id] = EntryClass(entry["class"])
+                latest[incident_id] = (int(entry["seq"]), str(entry["class"]), entry["incident"])
         head_seq, head_hash = await self.head(chain)
         if not verifier.check_head(head_seq, head_hash):
             return verifier.checked, verifier.bad

@@ -198,6 +198,7 @@ class ContractRequest(Message):
     threshold: float = Field(default=0.9, gt=0, le=1)
     credit_rate: float = Field(default=0.25, ge=0, le=1)
     count_proactive: bool = False
+    price_per_gpu_hour_minor: int | None = Field(default=None, ge=0, strict=True)
 
     @field_validator("currency")
     @classmethod
@@ -232,6 +233,7 @@ class ContractRequest(Message):
             threshold=self.threshold,
             credit_rate=self.credit_rate,
             count_proactive=self.count_proactive,
+            price_per_gpu_hour_minor=self.price_per_gpu_hour_minor,
         )
 
 

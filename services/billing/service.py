@@ -1,6 +1,7 @@
 """The billing service: closed incidents into the ledger, and the billing RPC verbs.
 
-Consumes ``IncidentClosed`` on the durable consumer ``billing`` and answers
+Consumes ``IncidentClosed`` and ``IncidentAmended`` on the durable consumer ``billing`` (an
+amendment: a restart's lost steps and stall, learnt after the close) and answers
 ``tr.rpc.billing.<verb>`` for the verbs of ``contract.RPC_VERBS["billing"]`` (plus
 ``ledger_correct``, the operator's way to append a correction).
 """
@@ -14,6 +15,7 @@ from prometheus_client import Counter
 from pydantic import Field
 
 from torchrelay.bus import (
+    BusError,
     Conflict,
     Delivery,
     NotFound,
@@ -23,6 +25,7 @@ from torchrelay.bus import (
 from torchrelay.contract import (
     Event,
     Incident,
+    IncidentAmended,
     IncidentClosed,
     Message,
     Subjects,
@@ -108,6 +111,9 @@ class BillingService:
     async def on_event(self, event: Event, delivery: Delivery) -> None:
         """Record a closed incident; a conflicting redelivery goes to the dead letters."""
         del delivery
+        if isinstance(event, IncidentAmended):
+            await self.on_amended(event)
+            return
         if not isinstance(event, IncidentClosed):
             return  # IncidentOpened: the ledger records incidents once they are closed
         result = await self.ledger.record(event.incident)
@@ -118,6 +124,16 @@ class BillingService:
                 f"(chain {result.chain}, seq {result.seq}) with other content; the original is "
                 "kept and this version is recorded as a conflict"
             )
+
+    async def on_amended(self, event: IncidentAmended) -> None:
+        """Append an amendment; one that arrives before its incident's entry is redelivered
+        later (NotRecordedYet is not permanent), one that would change more is refused."""
+        try:
+            result = await self.ledger.amend(event.incident, event.reason)
+        except CorrectionRefused as exc:
+            self.appends.labels("refused").inc()
+            raise PermanentError(f"ledger amendment refused: {exc}") from exc
+        self.appends.labels(result.outcome).inc()
 
     # ------------------------------------------------------------------ contracts
 
@@ -218,7 +234,7 @@ class BillingService:
         except ContractInvalid as exc:
             raise RequestInvalid(str(exc), exc.field) from exc
         records = await self.ledger.credits(start=start, end=end)
-        rows = [credit_row(r, start, end) for r in records]
+        rows = [credit_row(r, start, end, await self.term_goodput(r["credit"])) for r in records]
         heads = {}
         for record in records:
             cid = record["credit"]["contract_id"]
@@ -233,6 +249,27 @@ class BillingService:
             "rows": len(rows),
             "chain_heads": heads,
         }
+
+    async def term_goodput(self, credit: dict[str, Any]) -> dict[str, Any] | None:
+        """The tenant's goodput over the credit's term, priced at its contract's price (the
+        scheduler's ``tenant_goodput``); None, and empty columns, when it does not answer."""
+        body: dict[str, Any] = {
+            "tenant": credit["tenant"],
+            "from": credit["term_start"],
+            "to": credit["term_end"],
+        }
+        try:
+            contract = await self.ledger.get_contract(str(credit["contract_id"]))
+            if contract.price_per_gpu_hour_minor is not None:
+                body["price_per_gpu_hour_minor"] = contract.price_per_gpu_hour_minor
+                body["currency"] = contract.currency
+            answer: dict[str, Any] = await self.ctx.bus.request(
+                Subjects.rpc("scheduler", "tenant_goodput"), body, timeout=5.0
+            )
+        except (BusError, LedgerError) as exc:
+            log.warning("no goodput for the term of %s: %s", credit["contract_id"], exc)
+            return None
+        return answer
 
     async def ledger_verify(self, body: dict[str, Any]) -> Any:
         req = VerifyRequest.model_validate(body)

@@ -65,6 +65,7 @@ class JobRegistry:
             "wait_timeout_s": event.wait_timeout_s,
             "allow_shrink": event.allow_shrink,
             "launcher_id": event.launcher_id,
+            "checkpoint_every": event.checkpoint_every,
             "members": [m.model_dump(mode="json") for m in event.members],
             "state": "starting",
             "generation": 0,
@@ -298,6 +299,21 @@ class JobRegistry:
         """The stored job record, or None."""
         raw = await self._r.get(self._key(job_id))
         return None if raw is None else dict(json.loads(raw))
+
+    async def record_step_times(self, job_id: str, total_s: float, steps: int) -> None:
+        """Add the agents' step times (their sum over ``steps`` step beats) to the job's."""
+        key = f"{self._p}:steptime:{job_id}"
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hincrbyfloat(key, "total_s", total_s)
+        pipe.hincrby(key, "steps", steps)
+        await pipe.execute()
+
+    async def step_time(self, job_id: str) -> float | None:
+        """The agents' mean step time of the job (seconds), None before any step beat."""
+        total, steps = await self._r.hmget(f"{self._p}:steptime:{job_id}", "total_s", "steps")
+        if total is None or steps is None or int(steps) <= 0:
+            return None
+        return float(total) / int(steps)
 
     async def committed_step(self, job_id: str) -> int | None:
         raw = await self._r.get(f"{self._p}:step:{job_id}")

@@ -28,6 +28,7 @@ from torchrelay.contract import (
     FaultKind,
     GenerationChanged,
     Incident,
+    IncidentAmended,
     IncidentClosed,
     IncidentOpened,
     JobFinished,
@@ -49,6 +50,7 @@ from torchrelay.service import ServiceContext
 
 from . import rules
 from .credentials import setup_credentials
+from .goodput import GoodputVerbs
 from .hosts import setup_hosts
 from .incidents import IncidentStore
 from .registry import JobRegistry
@@ -111,6 +113,8 @@ class Scheduler:
         # Restarted jobs whose first step is awaited: job -> (incident, the new members).
         self._restarting: dict[str, tuple[str, frozenset[str]]] = {}
         self._pids: dict[str, dict[str, int]] = {}
+        # The agents' step times since the last flush: job -> (sum of seconds, step beats).
+        self._step_times: dict[str, tuple[float, int]] = {}
         self.incidents_total = Counter(
             "incidents_total",
             "Incidents closed, by resolution and fault kind",
@@ -392,6 +396,37 @@ class Scheduler:
             },
         )
 
+    async def _publish_amended(self, incident: Incident | None, field: str, why: str) -> None:
+        """Tell billing what a closed incident learnt (the ledger appends an amendment).
+
+        An incident still open gets the field with its close instead. The event id names the
+        incident, the field and its value, so a redelivered restart publishes it once.
+        """
+        if incident is None or incident.resolution == Resolution.OPEN:
+            return
+        value = getattr(incident, field)
+        at = utcnow()
+        await self.ctx.bus.publish(
+            IncidentAmended(
+                event_id=make_event_id("incident_amended", incident.incident_id, field, value),
+                source=SERVICE,
+                occurred_at=at,
+                incident=incident,
+                reason=f"{incident.resolution.value}: {field} ({why}) known after the close",
+            ),
+            Subjects.INCIDENT_AMENDED,
+        )
+        await self.jobs.add_timeline(
+            incident.job_id,
+            at,
+            {
+                "type": "incident_amended",
+                "incident_id": incident.incident_id,
+                "stall_ms": incident.stall_ms,
+                "lost_steps": incident.lost_steps,
+            },
+        )
+
     async def on_drain(self, drain: DrainRequested) -> None:
         """Planned maintenance: one proactive migration per rank on the node."""
         fault = FaultDetected(
@@ -491,7 +526,8 @@ class Scheduler:
         )
         if event.incident_id is None:
             return
-        await self.incidents.amend(event.incident_id, lost_steps=event.lost_steps)
+        amended = await self.incidents.amend(event.incident_id, lost_steps=event.lost_steps)
+        await self._publish_amended(amended, "lost_steps", "steps since the checkpoint")
         members = frozenset(m.member_id for m in event.members)
         self._restarting[event.job_id] = (event.incident_id, members)
 
@@ -504,7 +540,8 @@ class Scheduler:
         if incident is None:
             return
         stall_ms = max(0.0, (at - incident.detected_at).total_seconds() * 1000.0)
-        await self.incidents.amend(pending[0], stall_ms=stall_ms)
+        amended = await self.incidents.amend(pending[0], stall_ms=stall_ms)
+        await self._publish_amended(amended, "stall_ms", "fault to the restarted job's first step")
         self.migration_stall_seconds.labels(incident.resolution.value).observe(stall_ms / 1000)
 
     # ------------------------------------------------------------------ heartbeats
@@ -534,6 +571,10 @@ class Scheduler:
             return
         if step >= 0 and step > self._steps.get(job_id, -1):
             self._steps[job_id] = step
+        step_time = beat.get("step_time_s")
+        if beat.get("kind") == "step" and isinstance(step_time, int | float) and step_time >= 0:
+            total, count = self._step_times.get(job_id, (0.0, 0))
+            self._step_times[job_id] = (total + float(step_time), count + 1)
         pending = self._restarting.get(job_id)
         if pending is not None and member_id in pending[1] and beat.get("kind") == "step":
             await self._restart_stepped(job_id, utcnow())
@@ -544,8 +585,11 @@ class Scheduler:
         """Write the throttled committed steps and process ids to Redis."""
         steps, self._steps = self._steps, {}
         pids, self._pids = self._pids, {}
+        step_times, self._step_times = self._step_times, {}
         for job_id, step in steps.items():
             await self.jobs.record_step(job_id, step)
+        for job_id, (total, count) in step_times.items():
+            await self.jobs.record_step_times(job_id, total, count)
         for job_id, members in pids.items():
             await self.jobs.record_pids(job_id, members)
 
@@ -665,8 +709,18 @@ async def setup(ctx: ServiceContext) -> None:
             await scheduler.flush_heartbeats()
 
     ctx.closers.append(_final_flush)
-    for verb in ("job_list", "job_get", "job_timeline", "incident_list", "incident_get", "drain"):
+    for verb in (
+        "job_list",
+        "job_get",
+        "job_timeline",
+        "incident_list",
+        "incident_get",
+        "drain",
+    ):
         await ctx.serve(verb, getattr(scheduler, verb))
+    goodput = GoodputVerbs(scheduler.jobs, scheduler.incidents)
+    for verb in ("job_goodput", "tenant_goodput"):
+        await ctx.serve(verb, getattr(goodput, verb))
     await setup_credentials(ctx)  # job-scoped NATS credentials, auth callout (credentials.py)
     await setup_hosts(ctx)  # the rendezvous of jobs across hosts (hosts.py)
     ctx.readiness["consumer"] = "scheduler"

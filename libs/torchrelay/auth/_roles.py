@@ -159,6 +159,7 @@ def role_permissions(role: str) -> Permissions:
                 Subjects.MIGRATION_REQUESTED,
                 Subjects.INCIDENT_OPENED,
                 Subjects.INCIDENT_CLOSED,
+                Subjects.INCIDENT_AMENDED,
                 Subjects.DRAIN_REQUESTED,
                 _rpc("spare_pool"),
                 Subjects.dlq(role),
@@ -199,7 +200,13 @@ def role_permissions(role: str) -> Permissions:
         )
     if role == "billing":
         return Permissions(
-            pub_allow=(*runtime, Subjects.CREDIT_ISSUED, Subjects.dlq(role)),
+            # tenant_goodput: the export's goodput columns of each credit's term.
+            pub_allow=(
+                *runtime,
+                Subjects.CREDIT_ISSUED,
+                _rpc("scheduler", "tenant_goodput"),
+                Subjects.dlq(role),
+            ),
             sub_allow=(*inbox, _rpc(role, ">")),
             pub_deny=deny,
             responses=True,

@@ -205,6 +205,9 @@ class JobRegistered(Event):
     # A job across hosts registers once per host: this host's members, the whole world size.
     nnodes: int = Field(default=1, ge=1, le=100_000)
     node_rank: int | None = Field(default=None, ge=0)
+    # Steps between the job's checkpoints (--checkpoint-every); None: it writes none. Goodput's
+    # counterfactual restarts from checkpoints at this interval (docs/design.md §14).
+    checkpoint_every: int | None = Field(default=None, ge=1)
 
 
 class HostJoin(Message):
@@ -485,6 +488,15 @@ class IncidentClosed(Event):
     incident: Incident
 
 
+class IncidentAmended(Event):
+    """What was learnt about a closed incident after it closed: a checkpoint restart's lost
+    steps (at ``JobRestarted``) and its stall (at the restarted job's first step). Billing
+    appends it to the ledger as an ``amendment`` entry of the incident (docs/design.md §8)."""
+
+    incident: Incident  # the whole incident as now known
+    reason: str = Field(default="", max_length=500)
+
+
 # --------------------------------------------------------------------------- billing
 
 
@@ -500,6 +512,8 @@ class Contract(Message):
     threshold: float = Field(default=0.9, gt=0, le=1)
     credit_rate: float = Field(default=0.25, ge=0, le=1)
     count_proactive: bool = False
+    # What a GPU-hour costs the tenant (minor units): goodput's savings are priced at it.
+    price_per_gpu_hour_minor: int | None = Field(default=None, ge=0)
 
 
 class Guarantee(Message):

@@ -62,6 +62,7 @@ class Subjects:
     SPARE_POOL_LOW = "tr.evt.spare.pool_low"
     INCIDENT_OPENED = "tr.evt.incident.opened"
     INCIDENT_CLOSED = "tr.evt.incident.closed"
+    INCIDENT_AMENDED = "tr.evt.incident.amended"
     CREDIT_ISSUED = "tr.evt.credit.issued"
     AGENT_REPORTS_ALL = "tr.evt.report.>"
     TELEMETRY_ALL = "tr.tel.>"
@@ -216,7 +217,11 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         ConsumerSpec(
             service="billing",
             durable="billing",
-            filter_subjects=[Subjects.INCIDENT_CLOSED, Subjects.INCIDENT_OPENED],
+            filter_subjects=[
+                Subjects.INCIDENT_CLOSED,
+                Subjects.INCIDENT_OPENED,
+                Subjects.INCIDENT_AMENDED,
+            ],
         ),
     )
 }
@@ -228,6 +233,9 @@ RPC_VERBS: dict[str, tuple[str, ...]] = {
         "job_list",
         "job_get",
         "job_timeline",
+        # Goodput (docs/design.md §14): one job's, a tenant's in a window.
+        "job_goodput",
+        "tenant_goodput",
         "incident_list",
         "incident_get",
         "drain",

@@ -405,6 +405,7 @@ class Launcher:
             wait_timeout_s=o.wait_timeout_s,
             allow_shrink=o.allow_shrink,
             launcher_id=self.launcher_id,
+            checkpoint_every=o.checkpoint_every,
             members=[
                 Member(member_id=c.member_id, role=c.role, node=c.node, gpu=c.gpu, pid=c.pid)
                 for c in self.children.values()
@@ -779,8 +780,7 @@ class Launcher:
             await self.bus.publish(event, Subjects.JOB_FINISHED, retry_for=5.0)
         if self._beat is not None:
             self._beat.cancel()
-        if self.opts.host is not None:
-            host = self.opts.host
+        if (host := self.opts.host) is not None:
             await stopped(
                 self.bus, self.opts.job_id, self.launcher_id, host.node, self.opts.cluster
             )

@@ -335,3 +335,9 @@ class Options:
     # max_restarts times (docs/design.md §13).
     checkpoint_dir: Path | None = None
     max_restarts: int = 3
+
+    @property
+    def checkpoint_every(self) -> int | None:
+        """Steps between the job's checkpoints (``--checkpoint-every``); None without them."""
+        raw = self.extra_env.get("TORCHRELAY_CHECKPOINT_EVERY", "")
+        return int(raw) if raw.isdigit() and int(raw) >= 1 else None

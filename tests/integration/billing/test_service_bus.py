@@ -193,3 +193,60 @@ async def test_invalid_requests_name_the_field(billing: None, bus: Bus) -> None:
         await rpc(bus, "contract_create", {**base, "term_start": "2025-06-01T00:00:00Z"})
     assert (info.value.error.code, info.value.error.field) == ("conflict", "term_start")
     assert isinstance(datetime.fromisoformat(contract["term_start"]), datetime)
+
+
+async def test_the_export_carries_the_tenants_goodput_over_each_credits_term(
+    billing: None, bus: Bus
+) -> None:
+    del billing
+    asked: list[dict[str, Any]] = []
+    figures = {
+        "tenant": "acme",
+        "gpu_seconds_allocated": 4000.0,
+        "gpu_seconds_progress": 3494.0,
+        "gpu_seconds_lost": 506.0,
+        "ettr": 0.8735,
+        "counterfactual": {
+            "gpu_seconds_lost": 1074.0,
+            "gpu_hours_saved": 0.157778,
+            "money_saved_minor": 39,
+        },
+    }
+
+    async def scheduler(msg: Msg) -> None:  # plays the scheduler's tenant_goodput
+        asked.append(json.loads(msg.data))
+        await msg.respond(json.dumps({"ok": True, "result": figures}).encode())
+
+    await bus.nc.subscribe(Subjects.rpc("scheduler", "tenant_goodput"), cb=scheduler)
+    contract = await rpc(
+        bus,
+        "contract_create",
+        {
+            "tenant": "acme",
+            "term_start": Q1_START.isoformat(),
+            "term_end": Q1_END.isoformat(),
+            "renewal_fee_minor": 1000,
+            "currency": "USD",
+            "price_per_gpu_hour_minor": 250,
+        },
+    )
+    assert contract["price_per_gpu_hour_minor"] == 250
+    await bus.publish(closed_event("gp-0", Resolution.LOST), Subjects.INCIDENT_CLOSED)
+
+    async def counted() -> Any:
+        g = await rpc(bus, "guarantee", {"contract_id": contract["contract_id"]})
+        return g["eligible_failures"] == 1
+
+    await until(counted, "the failure counted")
+    await rpc(bus, "close_term", {"contract_id": contract["contract_id"]})
+    export = await rpc(bus, "export", {"period": utcnow().strftime("%Y-%m"), "format": "json"})
+    (row,) = json.loads(export["body"])
+    assert (row["x_GpuSecondsAllocated"], row["x_GpuSecondsProgress"]) == ("4000.0", "3494.0")
+    assert (row["x_GpuSecondsLost"], row["x_Ettr"]) == ("506.0", "0.8735")
+    assert row["x_CounterfactualGpuSecondsLost"] == "1074.0"
+    assert (row["x_GpuHoursSaved"], row["x_MoneySavedMinor"]) == ("0.157778", "39")
+    # The term asked for is the credit's, priced at its contract's price.
+    assert asked[-1]["tenant"] == "acme"
+    assert datetime.fromisoformat(asked[-1]["from"].replace("Z", "+00:00")) == Q1_START
+    assert datetime.fromisoformat(asked[-1]["to"].replace("Z", "+00:00")) == Q1_END
+    assert (asked[-1]["price_per_gpu_hour_minor"], asked[-1]["currency"]) == (250, "USD")

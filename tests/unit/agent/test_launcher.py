@@ -169,7 +169,9 @@ def test_checkpoint_flags_reach_every_process_and_bad_ones_are_named(
         "TORCHRELAY_CHECKPOINT_DIR": str(tmp_path / "ck"),
         "TORCHRELAY_CHECKPOINT_EVERY": "10",
     }
+    assert got.checkpoint_every == 10  # registered with the job: goodput's counterfactual
     assert opts().checkpoint_dir is None
+    assert opts().checkpoint_every is None
     with pytest.raises(LauncherError, match="--checkpoint-dir needs --checkpoint-every N"):
         opts("--checkpoint-dir", "ck")
     with pytest.raises(LauncherError, match="need --checkpoint-dir"):

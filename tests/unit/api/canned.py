@@ -18,6 +18,14 @@ from typing import Any, TypeVar
 import uvicorn
 
 from torchrelay.bus import Bus, Conflict, NotFound, RequestInvalid
+from torchrelay.goodput import (
+    Assumptions,
+    GenerationSpan,
+    Goodput,
+    IncidentFacts,
+    JobFacts,
+    job_goodput,
+)
 
 T = TypeVar("T")
 
@@ -263,6 +271,8 @@ class CannedServices:
                 self._by(self.jobs, "job_id", b["job_id"], "job"),
             )[1],
             ("scheduler", "job_timeline"): self.job_timeline,
+            ("scheduler", "job_goodput"): self.job_goodput,
+            ("scheduler", "tenant_goodput"): self.tenant_goodput,
             ("scheduler", "incident_list"): self.incident_list,
             ("scheduler", "incident_get"): lambda b: (
                 _only(b, "incident_id"),
@@ -323,6 +333,76 @@ class CannedServices:
             "migrations": [{"type": "migration_completed", "migration_id": "mig-1"}],
         }
 
+    # The scheduler's goodput verbs: the real arithmetic over the canned jobs, each of which
+    # ran generation 1 from 200 minutes ago and generation 2 from 29 minutes ago.
+    GOODPUT_KEYS = (
+        "checkpoint_every",
+        "default_checkpoint_every",
+        "restart_s",
+        "price_per_gpu_hour_minor",
+        "currency",
+        "from",
+        "to",
+    )
+
+    def _goodput(self, job: dict[str, Any], b: dict[str, Any]) -> tuple[Goodput, Assumptions]:
+        facts = JobFacts(
+            job_id=job["job_id"],
+            tenant=job["tenant"],
+            generations=(
+                GenerationSpan(1, NOW - timedelta(minutes=200), 2),
+                GenerationSpan(2, NOW - timedelta(minutes=29), 2),
+            ),
+            end=NOW,
+            committed_step=job["committed_step"],
+            step_time_s=0.5,
+        )
+        assumptions = Assumptions(
+            checkpoint_every=b.get("checkpoint_every") or b["default_checkpoint_every"],
+            restart_s=b["restart_s"],
+            price_per_gpu_hour_minor=b.get("price_per_gpu_hour_minor"),
+            currency=b.get("currency"),
+        )
+        since = datetime.fromisoformat(b["from"]) if b.get("from") else None
+        until = datetime.fromisoformat(b["to"]) if b.get("to") else None
+        incidents = [IncidentFacts.of(i) for i in self.incidents if i["job_id"] == job["job_id"]]
+        return job_goodput(facts, incidents, assumptions, since, until), assumptions
+
+    def job_goodput(self, b: dict[str, Any]) -> Any:
+        _only(b, "job_id", *self.GOODPUT_KEYS)
+        job = self._by(self.jobs, "job_id", b["job_id"], "job")
+        figures, assumptions = self._goodput(job, b)
+        return {
+            "job_id": job["job_id"],
+            "tenant": job["tenant"],
+            "state": job["state"],
+            "world_size": job["world_size"],
+            "committed_step": job["committed_step"],
+            "step_time_s": 0.5,
+            **figures.summary(assumptions),
+        }
+
+    def tenant_goodput(self, b: dict[str, Any]) -> Any:
+        _only(b, "tenant", *self.GOODPUT_KEYS)
+        total, jobs = Goodput(), []
+        for job in self.jobs:
+            if job["tenant"] == b["tenant"]:
+                figures, assumptions = self._goodput(job, b)
+                summary = figures.summary(assumptions)
+                del summary["incidents"]
+                jobs.append({"job_id": job["job_id"], **summary})
+                total.add(figures)
+        summary = total.summary(
+            Assumptions(
+                b.get("checkpoint_every") or b["default_checkpoint_every"],
+                b["restart_s"],
+                b.get("price_per_gpu_hour_minor"),
+                b.get("currency"),
+            )
+        )
+        del summary["incidents"]
+        return {"tenant": b["tenant"], **summary, "incidents": len(total.incidents), "jobs": jobs}
+
     def incident_list(self, b: dict[str, Any]) -> Any:
         _only(b, "job_id", "tenant", "resolution", "from", "to", "limit", "cursor")
         found = [
@@ -355,6 +435,7 @@ class CannedServices:
             "threshold",
             "credit_rate",
             "count_proactive",
+            "price_per_gpu_hour_minor",
         )
         if b["currency"] == "XYZ":
             raise RequestInvalid("'XYZ' is not an ISO 4217 currency code", "currency")

@@ -27,6 +27,13 @@ INCIDENT = {
     "generation_before",
     "generation_after",
 }
+GOODPUT = {
+    "gpu_seconds_allocated",
+    "gpu_seconds_progress",
+    "gpu_seconds_lost",
+    "ettr",
+    "counterfactual",
+}
 CONTRACT = {
     "contract_id",
     "tenant",

@@ -11,7 +11,16 @@ from services.api.app import create_app
 from services.api.settings import ApiSettings
 from tests.unit.api.canned import BackgroundLoop, CannedServices
 from tests.unit.api.conftest import TestClient
-from tests.unit.api.expect import CONTRACT, GUARANTEE, INCIDENT, JOB, NODE, RANK, SPARE
+from tests.unit.api.expect import (
+    CONTRACT,
+    GOODPUT,
+    GUARANTEE,
+    INCIDENT,
+    JOB,
+    NODE,
+    RANK,
+    SPARE,
+)
 
 NEW_CONTRACT = {
     "tenant": "acme",
@@ -78,6 +87,8 @@ ROUTES: list[tuple[str, str, Any, set[str], set[str] | None, int]] = [
         None,
         200,
     ),
+    ("GET", "/v1/jobs/job-a/goodput", None, GOODPUT | {"job_id", "incidents"}, None, 200),
+    ("GET", "/v1/tenants/acme/goodput", None, GOODPUT | {"tenant", "jobs", "terms"}, None, 200),
     ("GET", "/v1/incidents", None, {"items", "next_cursor"}, INCIDENT, 200),
     ("GET", "/v1/incidents/inc-a1", None, INCIDENT, None, 200),
     ("POST", "/v1/contracts", NEW_CONTRACT, CONTRACT, None, 201),
@@ -98,7 +109,9 @@ ROUTES: list[tuple[str, str, Any, set[str], set[str] | None, int]] = [
 OPERATOR_ONLY = [
     r
     for r in ROUTES
-    if not r[1].startswith(("/v1/jobs", "/v1/incidents", "/v1/credits", "/v1/contracts/ctr-a"))
+    if not r[1].startswith(
+        ("/v1/jobs", "/v1/tenants/acme", "/v1/incidents", "/v1/credits", "/v1/contracts/ctr-a")
+    )
     and (r[0], r[1]) != ("GET", "/v1/contracts")
 ] + [("GET", "/v1/billing/export?period=2026-11", None, set(), None, 200)]
 

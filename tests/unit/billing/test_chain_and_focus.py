@@ -128,6 +128,28 @@ def test_credit_row_is_a_negative_credit_with_equal_costs() -> None:
     assert row["PricingQuantity"] is None
     assert row["PricingUnit"] is None
     assert json.loads(str(row["Tags"])) == {"torchrelay/contract": "ct-1"}
+    assert row["x_GpuSecondsAllocated"] is None  # no goodput given: the columns are null
+
+
+def test_credit_row_carries_the_terms_goodput() -> None:
+    start, end = datetime(2026, 4, 1, tzinfo=UTC), datetime(2026, 5, 1, tzinfo=UTC)
+    goodput = {
+        "gpu_seconds_allocated": 100.0,
+        "gpu_seconds_progress": 90.5,
+        "gpu_seconds_lost": 9.5,
+        "ettr": 0.905,
+        "counterfactual": {
+            "gpu_seconds_lost": 40.0,
+            "gpu_hours_saved": 0.008472,
+            "money_saved_minor": None,
+        },
+    }
+    row = credit_row(RECORD, start, end, goodput)
+    assert set(row) == set(COLUMNS)
+    assert (row["x_GpuSecondsAllocated"], row["x_GpuSecondsProgress"]) == ("100.0", "90.5")
+    assert (row["x_GpuSecondsLost"], row["x_Ettr"]) == ("9.5", "0.905")
+    assert (row["x_CounterfactualGpuSecondsLost"], row["x_GpuHoursSaved"]) == ("40.0", "0.008472")
+    assert row["x_MoneySavedMinor"] is None  # no price per GPU-hour
 
 
 def test_csv_and_json_carry_the_same_rows() -> None:
