@@ -41,6 +41,12 @@ STEPS = 160
 NPROC = 4
 SPARES = 2
 NODES = 3
+# The counterfactual the summary prices (docs/design.md §14): the demo's job writes no
+# checkpoints, so it is told what a checkpointing job would do: a checkpoint every 40 steps
+# and 60 s per restart; a GPU-hour at $2.00 (the demo contract's price).
+CHECKPOINT_EVERY = 40
+RESTART_S = 60.0
+PRICE_PER_GPU_HOUR_MINOR = 200
 TIMEOUT_S = 240.0
 PER_HOST = 2  # ranks of a worker host and spares of the spare host with --hosts
 SPARE_HOST = "spare0"
@@ -174,6 +180,7 @@ class Demo:
             "threshold": 0.9,
             "credit_rate": 0.25,
             "count_proactive": True,
+            "price_per_gpu_hour_minor": PRICE_PER_GPU_HOUR_MINOR,
         }
         with self.api() as api:
             resp = api.post("/v1/contracts", json=body)
@@ -336,6 +343,7 @@ class Demo:
         ]
         with self.api() as api:
             guarantee = api.get(f"/v1/contracts/{contract['contract_id']}/guarantee").json()
+            goodput = self.goodput(api, live.job_id)
             period = datetime.now(UTC).strftime("%Y-%m")
             export = api.get("/v1/billing/export", params={"period": period, "format": "csv"})
         export_dir = self.state_dir / "exports"
@@ -369,6 +377,7 @@ class Demo:
             if guarantee.get("met")
             else f"{guarantee.get('credit_minor')} minor units {guarantee.get('currency')}",
         )
+        self.goodput_rows(table, goodput)
         table.add_row("FOCUS export", export_path.name)
         self.console.print(table)
         self.console.print(f"FOCUS 1.2 export written to {export_path}", soft_wrap=True)
@@ -380,6 +389,7 @@ class Demo:
                     "bitwise_equal": equal,
                     "incidents": failures,
                     "guarantee": guarantee,
+                    "goodput": goodput,
                     "export": str(export_path),
                 },
                 indent=2,
@@ -387,6 +397,53 @@ class Demo:
             )
         )
         return equal and len(failures) == 2 and len(migrated) == 2
+
+    def goodput(self, api: httpx.Client, job_id: str) -> dict[str, Any]:
+        """The job's goodput once the scheduler has seen it finish (its end is then fixed)."""
+        params = {"checkpoint_every": CHECKPOINT_EVERY, "restart_s": RESTART_S}
+        deadline = time.monotonic() + 15
+        while True:
+            resp = api.get(f"/v1/jobs/{job_id}/goodput", params=params)
+            found: dict[str, Any] = resp.json() if resp.status_code == 200 else {}
+            if found.get("state") not in (None, "starting", "running"):
+                return found
+            if time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
+    def goodput_rows(self, table: Table, g: dict[str, Any]) -> None:
+        """The goodput lines of the summary: what the GPUs did, and what restarts would cost."""
+        if "gpu_seconds_allocated" not in g:
+            table.add_row("goodput", "not available (the API did not answer)")
+            return
+        ettr = g.get("ettr")
+        table.add_row(
+            "goodput",
+            f"{g['gpu_seconds_progress']:.1f} of {g['gpu_seconds_allocated']:.1f} GPU-seconds "
+            f"became progress (ETTR {ettr:.4f})"
+            if ettr is not None
+            else "nothing ran",
+        )
+        for i in g.get("incidents", []):
+            table.add_row(
+                f"  lost to {i['incident_id'][:12]}",
+                f"{i['gpu_seconds_lost']:.3f} GPU-s = {i['stall_gpu_seconds']:.3f} stall + "
+                f"{i['lost_steps_gpu_seconds']:.3f} for {i.get('lost_steps') or 0} lost steps "
+                f"({i['world_size']} ranks)",
+            )
+        cf = g["counterfactual"]
+        money = cf.get("money_saved_minor")
+        priced = (
+            f", ${money / 100:,.2f} at ${cf['price_per_gpu_hour_minor'] / 100:.2f}/GPU-hour"
+            if money is not None
+            else ""
+        )
+        table.add_row(
+            "with checkpoint restart instead",
+            f"every {cf['checkpoint_every']} steps, {cf['restart_s']:.0f} s a restart: "
+            f"{cf['gpu_seconds_lost']:.1f} GPU-s lost; saved {cf['gpu_hours_saved']:.4f} "
+            f"GPU-hours{priced}",
+        )
 
 
 def _digests(out: Path) -> dict[int, str]:

@@ -36,7 +36,7 @@ _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         *_REDIS_SCRIPTS,
         *_REDIS_MULTI,
         *("get", "mget", "hget", "hmget", "hgetall", "hset", "hsetnx", "hincrby"),
-        *("rpush", "lrange", "sadd", "sismember", "smembers"),
+        *("rpush", "lrange", "lindex", "sadd", "sismember", "smembers"),
         *("zadd", "zrange", "zrangebyscore", "zrevrangebyscore"),
     ),
     # services/detector/state.py (its stores, and in their Lua) and service.py
@@ -66,6 +66,8 @@ _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         *_REDIS_MULTI,
         *("watch", "unwatch", "eval"),
         *("get", "mget", "del", "expire", "hget", "hgetall", "hset"),
+        # the agents' step times per job (registry.py: record_step_times, step_time)
+        *("hincrby", "hincrbyfloat", "hmget"),
         *("sadd", "scard", "smembers", "srem"),
         *("zadd", "zrange", "zrevrange", "zrevrangebyscore"),
     ),

@@ -588,10 +588,10 @@ class Scheduler:
         step_times, self._step_times = self._step_times, {}
         for job_id, step in steps.items():
             await self.jobs.record_step(job_id, step)
-        for job_id, (total, count) in step_times.items():
-            await self.jobs.record_step_times(job_id, total, count)
         for job_id, members in pids.items():
             await self.jobs.record_pids(job_id, members)
+        for job_id, (total, count) in step_times.items():
+            await self.jobs.record_step_times(job_id, total, count)
 
     async def heartbeat_loop(self) -> None:
         while True:

@@ -44,6 +44,30 @@ def test_demo_resolves_both_failures_live_with_bitwise_equal_state(tmp_path: Pat
         "migrated_proactive",
     }
     assert summary["guarantee"]["met"] is True
+    # Goodput: allocated = progress + each incident's lost time, to the millisecond, and each
+    # incident's figures are its recorded stall and lost steps at the job's world size.
+    g = summary["goodput"]
+    # (the table wraps its cells to the terminal: look for words, not phrases)
+    assert "ETTR" in proc.stdout
+    assert "GPU-hours" in proc.stdout
+    lost = [i["gpu_seconds_lost"] for i in g["incidents"]]
+    assert abs(g["gpu_seconds_allocated"] - g["gpu_seconds_progress"] - sum(lost)) < 0.0015
+    assert g["gpu_seconds_allocated"] > 0
+    assert 0 < g["ettr"] <= 1
+    recorded = {i["incident_id"]: i for i in summary["incidents"]}
+    assert {i["incident_id"] for i in g["incidents"]} == set(recorded)
+    for i in g["incidents"]:
+        r = recorded[i["incident_id"]]
+        assert (i["stall_ms"], i["lost_steps"]) == (r["stall_ms"], r["lost_steps"])
+        assert i["stall_gpu_seconds"] <= round(i["world_size"] * (r["stall_ms"] or 0) / 1000, 3)
+        steps = i["world_size"] * (r["lost_steps"] or 0) * (g["step_time_s"] or 0)
+        assert i["lost_steps_gpu_seconds"] == round(steps, 3)
+    # The ledger counted the same failures (its tally is the guarantee's).
+    assert summary["guarantee"]["eligible_failures"] == len(g["incidents"])
+    cf = g["counterfactual"]
+    assert cf["gpu_seconds_saved"] == round(cf["gpu_seconds_lost"] - g["gpu_seconds_lost"], 3)
+    assert cf["price_per_gpu_hour_minor"] == 200
+    assert cf["money_saved_minor"] == round(cf["gpu_seconds_saved"] * 200 / 3600)
     export = Path(summary["export"])
     assert export.exists()
     assert export.read_text().startswith("AvailabilityZone,BilledCost")

@@ -404,6 +404,10 @@ async def test_billing_runs_its_ledger_as_its_user(
         conflict = _incident("i1").model_copy(update={"gpu": 3})
         assert (await ledger.record(conflict)).outcome == "conflict"
         await ledger.correct(_incident("i2", resolution=Resolution.MIGRATED_LIVE), "late")
+        # A restart's lost steps, learnt after the close: an amendment entry.
+        await ledger.record(_incident("i3", resolution=Resolution.CHECKPOINT_RESTART))
+        later = _incident("i3", resolution=Resolution.CHECKPOINT_RESTART)
+        assert (await ledger.amend(later.model_copy(update={"lost_steps": 5}), "r")).outcome == "ok"
         await ledger.guarantee(contract.contract_id)
         closed = await ledger.close_term(contract.contract_id)
         assert closed.credit is not None
@@ -426,6 +430,8 @@ async def test_the_scheduler_runs_its_registry_incidents_and_credentials_as_its_
         await registry.register(_job("job-1"))
         await registry.apply_generation(_generation("job-1", 1))
         await registry.record_step("job-1", 10)
+        await registry.record_step_times("job-1", 1.5, 3)  # goodput's step time
+        assert await registry.step_time("job-1") == 0.5
         await registry.record_pids("job-1", {"job-1-w0": 4242})  # WATCH / MULTI / EXEC
         await registry.record_pids("job-1", {"job-1-w0": 4242})  # no change: UNWATCH
         await registry.add_timeline("job-1", datetime.now(UTC), {"what": "test"})
