@@ -642,6 +642,7 @@ class Bus(GenerationStore):
 
         async def _answer(msg: Msg) -> None:
             outcome = "ok"
+            started = time.perf_counter()
             ctx = context_from_headers(_headers(msg))
             with tracer().start_as_current_span(
                 f"rpc {subject}", context=ctx, kind=SpanKind.SERVER
@@ -675,6 +676,9 @@ class Bus(GenerationStore):
                     )
             if self.metrics is not None:
                 self.metrics.rpc_total.labels(self.service, verb, outcome).inc()
+                self.metrics.rpc_seconds.labels(self.service, verb).observe(
+                    time.perf_counter() - started
+                )
             if msg.reply:
                 with contextlib.suppress(Exception):
                     await msg.respond(reply.model_dump_json().encode())

@@ -191,3 +191,12 @@ class ServiceMetrics:
             ["service", "verb", "outcome"],
             registry=self.registry,
         )
+        # Server side: from the request's arrival to the reply, so a slow handler shows
+        # apart from the NATS round trip the caller sees.
+        self.rpc_seconds = Histogram(
+            "torchrelay_rpc_seconds",
+            "RPC handling latency, by verb",
+            ["service", "verb"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+        )

@@ -8,6 +8,7 @@ amendment: a restart's lost steps and stall, learnt after the close) and answers
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -34,6 +35,7 @@ from torchrelay.contract import (
 from torchrelay.service import ServiceContext
 
 from .focus import credit_row, render
+from .gauges import GUARANTEE_GAUGE_INTERVAL_S, GuaranteeGauges
 from .ledger import (
     CloseResult,
     ContractConflict,
@@ -107,6 +109,7 @@ class BillingService:
             "Guarantee credits issued at a term's close",
             registry=registry,
         )
+        self.gauges = GuaranteeGauges(ledger, registry)
 
     async def on_event(self, event: Event, delivery: Delivery) -> None:
         """Record a closed incident; a conflicting redelivery goes to the dead letters."""
@@ -118,6 +121,8 @@ class BillingService:
             return  # IncidentOpened: the ledger records incidents once they are closed
         result = await self.ledger.record(event.incident)
         self.appends.labels(result.outcome).inc()
+        if result.outcome == "ok":
+            await self._show_guarantee(result.chain)
         if result.outcome == "conflict":
             raise PermanentError(
                 f"ledger conflict: incident {event.incident.incident_id} is already recorded "
@@ -143,6 +148,8 @@ class BillingService:
             contract, _ = await self.ledger.create_contract(request)
         except LedgerError as exc:
             raise _refusal(exc) from exc
+        self.gauges.track(contract)
+        await self._show_guarantee(contract.contract_id)
         return contract
 
     async def contract_get(self, body: dict[str, Any]) -> Any:
@@ -284,7 +291,29 @@ class BillingService:
             result = await self.ledger.correct(req.incident, req.reason)
         except (CorrectionRefused, LedgerError) as exc:
             raise _refusal(exc) from exc
+        if result.outcome == "ok":
+            await self._show_guarantee(result.chain)
         return {"outcome": result.outcome, "chain": result.chain, "seq": result.seq}
+
+    # ------------------------------------------------------------------ the gauges
+
+    async def _show_guarantee(self, chain: str) -> None:
+        # The ledger write is done; a gauge that failed to refresh must not fail it (nor
+        # send the event round again): the periodic refresh catches up.
+        try:
+            await self.gauges.refresh(chain)
+        except Exception as exc:
+            log.warning("guarantee gauge of %s not refreshed: %r", chain, exc)
+
+    async def guarantee_gauge_loop(self) -> None:
+        """Refresh the guarantee gauges every ``GUARANTEE_GAUGE_INTERVAL_S`` (terms begin and
+        end without an event)."""
+        while True:
+            try:
+                await self.gauges.refresh()
+            except Exception as exc:
+                log.warning("guarantee gauges not refreshed: %r", exc)
+            await asyncio.sleep(GUARANTEE_GAUGE_INTERVAL_S)
 
 
 async def ledger_durability(ctx: ServiceContext) -> str:
@@ -321,6 +350,7 @@ async def setup(ctx: ServiceContext) -> None:
     ctx.readiness["ledger_durability"] = await ledger_durability(ctx)
     ledger = Ledger(ctx.redis, ctx.prefix)
     service = BillingService(ctx, ledger)
+    await service.gauges.load()
     await ctx.consume("billing", service.on_event)
     for verb in (
         "contract_create",
@@ -336,3 +366,4 @@ async def setup(ctx: ServiceContext) -> None:
         await ctx.serve(verb, getattr(service, verb))
     ctx.readiness["ledger"] = "ok"
     ctx.spawn(service.republish_pending(), "billing-republish")
+    ctx.spawn(service.guarantee_gauge_loop(), "billing-guarantee-gauges")

@@ -7,7 +7,7 @@ together as :class:`services.detector.service.Detector`:
   critical-first queue, decoding, the rules per sample);
 - ``hardware.py``: a GPU finding becoming a fault, and its node effects (lemon score,
   circuit breaker, ``NodeHealthChanged``);
-- ``inventory.py``: the periodic inventory write to Redis;
+- ``inventory.py``: the periodic inventory write to Redis, and the fleet gauges;
 - ``liveness.py``: the sweeps over heartbeats (worker lost to silence, hangs, stragglers);
 - ``reports.py``: the durable consumer (job directory, agents' and launchers' reports);
 - ``queries.py``: the RPC verbs (``cluster_list``, ``node_list``, ``node_get``,
@@ -22,7 +22,7 @@ import asyncio
 import uuid
 from collections import deque
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.detector.rules import GpuWindows
 from services.detector.settings import DetectorSettings
@@ -105,4 +105,19 @@ class DetectorCore:
             "From the sample's timestamp to the fault's publish",
             registry=reg,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
+        )
+        # Fleet-wide figures read from Redis by one replica (inventory.py): take the max
+        # over replicas, not the sum, since a replica that just handed the count to another
+        # may still show its last values until its next refresh.
+        self.m_nodes = Gauge(
+            "torchrelay_nodes",
+            "Nodes seen in telemetry, by cluster and health",
+            ["cluster", "health"],
+            registry=reg,
+        )
+        self.m_gpus = Gauge(
+            "torchrelay_gpus",
+            "GPUs seen in telemetry, by cluster and the health of their node",
+            ["cluster", "health"],
+            registry=reg,
         )

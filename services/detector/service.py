@@ -5,7 +5,7 @@ metrics in ``core.py``):
 
 - ``ingest.py``: routing to the owning replica, the telemetry queue, telemetry and heartbeats;
 - ``hardware.py``: GPU findings to faults, lemon score, circuit breaker;
-- ``inventory.py``: the node inventory written to Redis;
+- ``inventory.py``: the node inventory written to Redis, and the fleet gauges;
 - ``liveness.py``: the heartbeat sweeps (worker lost to silence, hangs, stragglers);
 - ``reports.py``: the durable consumer (job directory, exit and error reports);
 - ``queries.py``: the RPC verbs;
@@ -80,6 +80,7 @@ class Detector(IngestMixin, LivenessMixin, ReportsMixin, QueriesMixin):
         ctx.spawn(self._telemetry_worker(), "detector-telemetry")
         ctx.spawn(self._sweep_loop(), "detector-sweep")
         ctx.spawn(self._inventory_loop(), "detector-inventory")
+        ctx.spawn(self._fleet_gauge_loop(), "detector-fleet-gauges")
         ctx.closers.append(self.drain)
         ctx.closers.append(self.membership.leave)
         ctx.readiness["replica"] = rid

@@ -353,6 +353,49 @@ async def test_node_rpc_and_return_to_service(
     assert "escalated" in again[1].evidence
 
 
+async def test_the_fleet_gauges_count_nodes_and_gpus_by_health_on_one_replica(
+    nats_url: str, redis_url: str, redis: aioredis.Redis, bus: Bus, faults: Collector
+) -> None:
+    del redis  # flushed: only this test's clusters
+    health = Collector(NodeHealthChanged)
+    await bus.subscribe_core(Subjects.NODE_HEALTH, health.on_msg)
+    async with (
+        running_detector(nats_url, redis_url, detector_replica_id="r1") as a,
+        running_detector(nats_url, redis_url, detector_replica_id="r2") as b,
+    ):
+        deadline = time.monotonic() + 10
+        while len(a.membership.replicas) < 2 or len(b.membership.replicas) < 2:
+            assert time.monotonic() < deadline, "replicas never saw each other"
+            await asyncio.sleep(0.1)
+        for node in ("f-a", "f-b", "f-c"):
+            await send(bus, node, [sample(node, g, cluster="fl") for g in range(4)], cluster="fl")
+        await send(
+            bus, "f-a", [sample("f-a", 1, cluster="fl", xid=119)], critical=True, cluster="fl"
+        )
+        await faults.wait_for(is_kind(FaultKind.FIRMWARE_HANG))
+        await health.wait_for(lambda h: h.health == NodeHealth.UNHEALTHY)
+        for det in (a, b):
+            await det.drain()
+            await det._flush_inventory()
+        for det in (a, b):
+            await det.refresh_fleet_gauges()
+
+        def value(det: Detector, name: str, state: str) -> float | None:
+            labels = {"cluster": "fl", "health": state}
+            return det.ctx.metrics.registry.get_sample_value(name, labels)
+
+        counting = [d for d in (a, b) if value(d, "torchrelay_nodes", "healthy") is not None]
+        assert len(counting) == 1, "exactly one replica exports the fleet gauges"
+        det = counting[0]
+        assert (
+            value(det, "torchrelay_nodes", "healthy"),
+            value(det, "torchrelay_gpus", "healthy"),
+        ) == (2, 8)
+        assert value(det, "torchrelay_nodes", "unhealthy") == 1
+        assert value(det, "torchrelay_gpus", "unhealthy") == 4
+        assert value(det, "torchrelay_nodes", "lemon") == 0
+
+
 async def test_the_periodic_inventory_flush_writes_every_node_of_a_large_fleet(
     nats_url: str, redis_url: str, bus: Bus
 ) -> None:

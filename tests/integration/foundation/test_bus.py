@@ -38,6 +38,7 @@ from torchrelay.contract import (
     RankAssignment,
     Subjects,
 )
+from torchrelay.observability import ServiceMetrics
 
 SUBJECT = Subjects.JOB_FINISHED
 
@@ -316,6 +317,30 @@ async def test_rpc_invalid_request_names_field_and_service_keeps_serving(bus: Bu
         Subjects.rpc("calc", "double"), finished(1).model_copy(update={"exit_code": 4}), timeout=2
     )
     assert ok == {"twice": 8}
+
+
+async def test_rpc_latency_and_outcomes_are_in_the_services_metrics(nats_url: str) -> None:
+    metrics = ServiceMetrics("metered")
+    served = await Bus.connect(nats_url, "metered", metrics=metrics)
+    try:
+
+        async def slow_double(body: dict[str, object]) -> dict[str, int]:
+            await asyncio.sleep(0.05)  # the latency the histogram must see, not a wait
+            return {"twice": 2 * int(JobFinished.model_validate(body).exit_code)}
+
+        await served.serve("metered", "double", slow_double)
+        subject = Subjects.rpc("metered", "double")
+        await served.request(subject, finished(1).model_copy(update={"exit_code": 3}), timeout=2)
+        with pytest.raises(RpcFailed):
+            await served.request(subject, {"exit_code": "x"}, timeout=2)
+    finally:
+        await served.close()
+    labels = {"service": "metered", "verb": "double"}
+    value = metrics.registry.get_sample_value
+    assert value("torchrelay_rpc_seconds_count", labels) == 2
+    assert (value("torchrelay_rpc_seconds_sum", labels) or 0) >= 0.05
+    assert value("torchrelay_rpc_total", {**labels, "outcome": "ok"}) == 1
+    assert value("torchrelay_rpc_total", {**labels, "outcome": "invalid"}) == 1
 
 
 async def test_rpc_requests_of_one_verb_are_answered_concurrently(bus: Bus) -> None:
