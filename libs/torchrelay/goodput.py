@@ -192,6 +192,31 @@ def money_minor(gpu_seconds: float, price_per_gpu_hour_minor: int) -> int:
     return sign * int(abs(amount) + Fraction(1, 2))
 
 
+def price_for(
+    asked: int | None,
+    asked_currency: str | None,
+    contract_price: int | None,
+    contract_currency: str | None,
+) -> tuple[int | None, str | None]:
+    """The price of a GPU-hour goodput uses, and its currency: the one asked for; else the
+    contract's, in its currency, unless another currency was asked; else none (the
+    operator's default then applies)."""
+    if asked is not None:
+        return asked, asked_currency
+    if contract_price is not None and asked_currency in (None, contract_currency):
+        return contract_price, contract_currency
+    return None, asked_currency
+
+
+def term_window(
+    term_start: datetime, term_end: datetime, since: datetime | None, until: datetime | None
+) -> tuple[datetime, datetime] | None:
+    """The part of a contract term inside ``[since, until)`` (None: they do not meet)."""
+    lo = term_start if since is None else max(term_start, since)
+    hi = term_end if until is None else min(term_end, until)
+    return (lo, hi) if lo < hi else None
+
+
 def allocated_gpu_seconds(
     generations: tuple[GenerationSpan, ...], start: datetime, end: datetime
 ) -> float:

@@ -30,6 +30,7 @@ from services.api.routes.jobs import JOB
 from services.api.routes.params import TOKEN_PATTERN, JobId
 from services.api.settings import ApiSettings
 from services.api.state import state_of
+from torchrelay.goodput import price_for, term_window
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
@@ -106,11 +107,12 @@ async def job_goodput(
 ) -> JobGoodput:
     job = await JOB.get(gw, job_id, who)  # the same 404 for another tenant's job
     settings = _defaults(request)
-    if price_per_gpu_hour_minor is None and currency is None:
+    if price_per_gpu_hour_minor is None:
         contract = await _contract_now(gw, job.tenant)
-        if contract is not None and contract.price_per_gpu_hour_minor is not None:
-            price_per_gpu_hour_minor = contract.price_per_gpu_hour_minor
-            currency = contract.currency
+        if contract is not None:
+            price_per_gpu_hour_minor, currency = price_for(
+                None, currency, contract.price_per_gpu_hour_minor, contract.currency
+            )
     body = {
         "job_id": job_id,
         **_assumptions(settings, checkpoint_every, restart_s, price_per_gpu_hour_minor, currency),
@@ -146,20 +148,23 @@ async def tenant_goodput(
         raise not_found("tenant", tenant, "tenant")
     settings = _defaults(request)
     base = _assumptions(settings, checkpoint_every, restart_s, price_per_gpu_hour_minor, currency)
-    window = {"from": _iso(since), "to": _iso(until)}
-    data = await gw.call("scheduler", "tenant_goodput", {"tenant": tenant, **window, **base})
+    span = {"from": _iso(since), "to": _iso(until)}
+    data = await gw.call("scheduler", "tenant_goodput", {"tenant": tenant, **span, **base})
     figures = parse(TenantGoodput, data, "scheduler", "tenant_goodput")
     terms = []
     contracts, _ = await TENANT_CONTRACTS.page(gw, 1000, None, {"tenant": tenant}, who=who)
     for contract in contracts:
-        lo = max(contract.term_start, since) if since else contract.term_start
-        hi = min(contract.term_end, until) if until else contract.term_end
-        if hi <= lo:
+        window = term_window(contract.term_start, contract.term_end, since, until)
+        if window is None:
             continue
-        priced = dict(base)
-        if price_per_gpu_hour_minor is None and contract.price_per_gpu_hour_minor is not None:
-            priced["price_per_gpu_hour_minor"] = contract.price_per_gpu_hour_minor
-            priced["currency"] = contract.currency
+        lo, hi = window
+        price, in_currency = price_for(
+            price_per_gpu_hour_minor,
+            currency,
+            contract.price_per_gpu_hour_minor,
+            contract.currency,
+        )
+        priced = _assumptions(settings, checkpoint_every, restart_s, price, in_currency)
         term = await gw.call(
             "scheduler",
             "tenant_goodput",

@@ -14,6 +14,8 @@ from torchrelay.goodput import (
     JobFacts,
     job_goodput,
     money_minor,
+    price_for,
+    term_window,
 )
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
@@ -156,3 +158,31 @@ def test_incident_facts_read_an_incidents_json() -> None:
 )
 def test_money_rounds_half_away_from_zero_exactly(seconds: float, price: int, minor: int) -> None:
     assert money_minor(seconds, price) == minor
+
+
+@pytest.mark.parametrize(
+    ("asked", "currency", "contract", "contract_currency", "price"),
+    [
+        (300, "USD", 200, "EUR", (300, "USD")),  # the query wins
+        (None, None, 200, "EUR", (200, "EUR")),  # else the contract's, in its currency
+        (None, "EUR", 200, "EUR", (200, "EUR")),
+        (None, "USD", 200, "EUR", (None, "USD")),  # another currency: the operator default
+        (None, None, None, "EUR", (None, None)),  # a contract without a price
+    ],
+)
+def test_the_price_is_the_asked_one_else_the_contracts_in_its_currency(
+    asked: int | None,
+    currency: str | None,
+    contract: int | None,
+    contract_currency: str,
+    price: tuple[int | None, str | None],
+) -> None:
+    assert price_for(asked, currency, contract, contract_currency) == price
+
+
+def test_a_term_is_clipped_to_the_window_and_one_outside_it_is_none() -> None:
+    assert term_window(at(0), at(100), None, None) == (at(0), at(100))
+    assert term_window(at(0), at(100), at(30), at(60)) == (at(30), at(60))
+    assert term_window(at(0), at(100), at(-50), at(200)) == (at(0), at(100))
+    assert term_window(at(0), at(100), at(100), None) is None
+    assert term_window(at(0), at(100), None, at(0)) is None
