@@ -57,6 +57,12 @@ from torchrelay.settings import ServiceSettings
 DEADLINE_S = 30.0
 
 
+async def scheduler_rpc(bus: Bus, verb: str, body: dict[str, object]) -> dict[str, object]:
+    """One of the scheduler's RPC verbs (``job_get``, ``job_goodput``, ...)."""
+    result: dict[str, object] = await bus.request(Subjects.rpc("scheduler", verb), body)
+    return result
+
+
 async def wait_until(
     check: Callable[[], Awaitable[Any]], timeout: float = DEADLINE_S, what: str = "condition"
 ) -> Any:

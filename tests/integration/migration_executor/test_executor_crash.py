@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -31,14 +30,6 @@ from .harness import (
 pytestmark = pytest.mark.slow
 
 CRASH_EXIT = 86
-
-
-@pytest.fixture
-async def tap(bus: Bus) -> AsyncIterator[EventTap]:
-    t = EventTap()
-    await t.start(bus)
-    yield t
-    await t.stop()
 
 
 @pytest.fixture

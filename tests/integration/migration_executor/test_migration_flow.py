@@ -6,7 +6,6 @@ simulated by the test (see harness.py).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -39,14 +38,6 @@ from torchrelay.contract import (
 from .harness import EventTap, SimJob, SparePoolView, control_plane, incident_closed, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def tap(bus: Bus) -> AsyncIterator[EventTap]:
-    t = EventTap()
-    await t.start(bus)
-    yield t
-    await t.stop()
 
 
 @pytest.fixture

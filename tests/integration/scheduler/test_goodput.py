@@ -3,7 +3,6 @@ launcher and executor with hand-set times, so every figure is known in advance."
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 
 import pytest
@@ -16,6 +15,7 @@ from tests.integration.migration_executor.harness import (
     EventTap,
     SimJob,
     control_plane,
+    scheduler_rpc,
     wait_until,
 )
 from torchrelay.bus import Bus, RpcFailed
@@ -43,19 +43,6 @@ from torchrelay.contract import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-async def tap(bus: Bus) -> AsyncIterator[EventTap]:
-    t = EventTap()
-    await t.start(bus)
-    yield t
-    await t.stop()
-
-
-async def rpc(bus: Bus, verb: str, body: dict[str, object]) -> dict[str, object]:
-    result: dict[str, object] = await bus.request(Subjects.rpc("scheduler", verb), body)
-    return result
-
-
 def ranks(job: SimJob, spare_for: int | None = None) -> list[RankAssignment]:
     out = []
     for i in range(job.world_size):
@@ -80,7 +67,7 @@ async def generation(bus: Bus, job: SimJob, number: int, at: datetime, **kw: obj
     )
 
     async def applied() -> bool:
-        view = await rpc(bus, "job_get", {"job_id": job.job_id})
+        view = await scheduler_rpc(bus, "job_get", {"job_id": job.job_id})
         return view["generation"] == number
 
     await wait_until(applied, what=f"generation {number} applied")
@@ -161,7 +148,7 @@ async def test_a_migrated_jobs_goodput_is_its_allocation_less_the_incidents_loss
         )
 
         async def measured() -> dict[str, object] | None:
-            g = await rpc(
+            g = await scheduler_rpc(
                 bus, "job_goodput", {"job_id": "gp1", "restart_s": 60, "checkpoint_every": 100}
             )
             return g if g["state"] == "succeeded" and g["step_time_s"] == 0.5 else None
@@ -181,7 +168,7 @@ async def test_a_migrated_jobs_goodput_is_its_allocation_less_the_incidents_loss
         assert cf["gpu_seconds_saved"] == 340 - 12
 
         # The tenant's sum over a window that holds the first half of the job only.
-        t = await rpc(
+        t = await scheduler_rpc(
             bus,
             "tenant_goodput",
             {
@@ -193,7 +180,7 @@ async def test_a_migrated_jobs_goodput_is_its_allocation_less_the_incidents_loss
         assert t["gpu_seconds_allocated"] == 4 * 150
         assert t["gpu_seconds_lost"] == 12.0
         assert [j["job_id"] for j in t["jobs"]] == ["gp1"]  # type: ignore[union-attr]
-        later = await rpc(
+        later = await scheduler_rpc(
             bus,
             "tenant_goodput",
             {"tenant": "acme", "from": (t0 + timedelta(seconds=400)).isoformat()},
@@ -201,7 +188,7 @@ async def test_a_migrated_jobs_goodput_is_its_allocation_less_the_incidents_loss
         assert (later["gpu_seconds_allocated"], later["jobs"]) == (0.0, [])
 
         with pytest.raises(RpcFailed) as missing:
-            await rpc(bus, "job_goodput", {"job_id": "nope"})
+            await scheduler_rpc(bus, "job_goodput", {"job_id": "nope"})
         assert missing.value.error.code == "not_found"
 
 
@@ -307,7 +294,7 @@ async def test_a_restarts_lost_steps_and_stall_reach_the_ledger_and_goodput_alik
             )
 
             async def finished() -> dict[str, object] | None:
-                g = await rpc(bus, "job_goodput", {"job_id": "gp2"})
+                g = await scheduler_rpc(bus, "job_goodput", {"job_id": "gp2"})
                 return g if g["state"] == "succeeded" and g["step_time_s"] == 0.5 else None
 
             g = await wait_until(finished, what="the restarted job finished")

@@ -6,7 +6,6 @@ GenerationChanged, MigrationCompleted/Failed).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -16,6 +15,7 @@ from tests.integration.migration_executor.harness import (
     EventTap,
     SimJob,
     control_plane,
+    scheduler_rpc,
     wait_until,
 )
 from torchrelay.bus import Bus, RpcFailed
@@ -41,19 +41,6 @@ from torchrelay.contract import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def tap(bus: Bus) -> AsyncIterator[EventTap]:
-    t = EventTap()
-    await t.start(bus)
-    yield t
-    await t.stop()
-
-
-async def rpc(bus: Bus, verb: str, body: dict[str, object]) -> dict[str, object]:
-    result: dict[str, object] = await bus.request(Subjects.rpc("scheduler", verb), body)
-    return result
 
 
 async def formed(bus: Bus, job: SimJob) -> Generation:
@@ -90,7 +77,7 @@ async def formed(bus: Bus, job: SimJob) -> Generation:
     )
 
     async def running() -> bool:
-        view = await rpc(bus, "job_get", {"job_id": job.job_id})
+        view = await scheduler_rpc(bus, "job_get", {"job_id": job.job_id})
         return view["generation"] == 1
 
     await wait_until(running, what="the job running in generation 1")
@@ -126,11 +113,11 @@ async def test_job_registry_answers_queries_with_placements_and_committed_step(
             )
 
         async def stepped() -> bool:
-            view = await rpc(bus, "job_get", {"job_id": "q1"})
+            view = await scheduler_rpc(bus, "job_get", {"job_id": "q1"})
             return view["committed_step"] == 9
 
         await wait_until(stepped, what="committed_step 9")
-        view = await rpc(bus, "job_get", {"job_id": "q1"})
+        view = await scheduler_rpc(bus, "job_get", {"job_id": "q1"})
         assert view["state"] == "running"
         assert view["world_size"] == 4
         assert view["ranks"][0] == {
@@ -142,19 +129,19 @@ async def test_job_registry_answers_queries_with_placements_and_committed_step(
         }
         assert [r["node"] for r in view["ranks"]] == ["local-0", "local-1", "local-0", "local-1"]
 
-        page = await rpc(bus, "job_list", {"tenant": "acme"})
+        page = await scheduler_rpc(bus, "job_list", {"tenant": "acme"})
         assert [j["job_id"] for j in page["items"]] == ["q1"]  # type: ignore[index]
-        first = await rpc(bus, "job_list", {"limit": 1})
+        first = await scheduler_rpc(bus, "job_list", {"limit": 1})
         assert len(first["items"]) == 1  # type: ignore[arg-type]
         assert first["next_cursor"] == "1"
-        rest = await rpc(bus, "job_list", {"limit": 1, "cursor": "1"})
+        rest = await scheduler_rpc(bus, "job_list", {"limit": 1, "cursor": "1"})
         assert rest["next_cursor"] is None
 
         with pytest.raises(RpcFailed) as missing:
-            await rpc(bus, "job_get", {"job_id": "nope"})
+            await scheduler_rpc(bus, "job_get", {"job_id": "nope"})
         assert missing.value.error.code == "not_found"
         with pytest.raises(RpcFailed) as bad:
-            await rpc(bus, "job_list", {"limit": 0})
+            await scheduler_rpc(bus, "job_list", {"limit": 0})
         assert bad.value.error.field == "limit"
 
         await bus.publish(
@@ -170,7 +157,7 @@ async def test_job_registry_answers_queries_with_placements_and_committed_step(
         )
 
         async def finished() -> bool:
-            view = await rpc(bus, "job_get", {"job_id": "q1"})
+            view = await scheduler_rpc(bus, "job_get", {"job_id": "q1"})
             return view["state"] == "succeeded" and view["committed_step"] == 20
 
         await wait_until(finished, what="the job finished")
@@ -204,7 +191,7 @@ async def test_one_incident_per_fault_folds_duplicates_and_closes_on_completion(
         await bus.publish(gpu, Subjects.FAULT_DETECTED)
 
         async def folded() -> list[object]:
-            got = await rpc(bus, "incident_get", {"incident_id": request.incident_id})
+            got = await scheduler_rpc(bus, "incident_get", {"incident_id": request.incident_id})
             return got["folded_faults"]  # type: ignore[return-value]
 
         assert await wait_until(folded, what="the GPU fault folded") == [
@@ -240,7 +227,7 @@ async def test_one_incident_per_fault_folds_duplicates_and_closes_on_completion(
         assert inc.resolution == Resolution.MIGRATED_LIVE
         assert (inc.stall_ms, inc.lost_steps, inc.bytes_moved) == (61.5, 1, 999)
         assert (inc.generation_before, inc.generation_after) == (1, 2)
-        got = await rpc(bus, "incident_get", {"incident_id": inc.incident_id})
+        got = await scheduler_rpc(bus, "incident_get", {"incident_id": inc.incident_id})
         assert got["resolution"] == "migrated_live"
         assert got["stall_ms"] == 61.5
 
@@ -258,13 +245,13 @@ async def test_one_incident_per_fault_folds_duplicates_and_closes_on_completion(
         )
 
         async def quiet() -> bool:
-            view = await rpc(bus, "job_get", {"job_id": "f1"})
+            view = await scheduler_rpc(bus, "job_get", {"job_id": "f1"})
             return view["state"] == "succeeded"
 
         await wait_until(quiet, what="the events after the duplicate handled")
         assert len(tap.of(IncidentClosed)) == 1
 
-        timeline = await rpc(bus, "job_timeline", {"job_id": "f1"})
+        timeline = await scheduler_rpc(bus, "job_timeline", {"job_id": "f1"})
         kinds = [e["type"] for e in timeline["events"]]  # type: ignore[union-attr, index]
         assert kinds[:5] == [
             "job_registered",
@@ -304,11 +291,13 @@ async def test_failed_migration_closes_with_the_fallback(
         )
         closed = await tap.wait(IncidentClosed)
         assert closed.incident.resolution == Resolution.CHECKPOINT_RESTART
-        listed = await rpc(bus, "incident_list", {"resolution": "checkpoint_restart"})
+        listed = await scheduler_rpc(bus, "incident_list", {"resolution": "checkpoint_restart"})
         assert [i["incident_id"] for i in listed["items"]] == [  # type: ignore[union-attr]
             request.incident_id
         ]
-        assert (await rpc(bus, "incident_list", {"resolution": "migrated_live"}))["items"] == []
+        assert (await scheduler_rpc(bus, "incident_list", {"resolution": "migrated_live"}))[
+            "items"
+        ] == []
 
 
 async def test_node_fault_opens_one_incident_per_hurt_rank_and_info_is_recorded(
@@ -346,15 +335,15 @@ async def test_node_fault_opens_one_incident_per_hurt_rank_and_info_is_recorded(
         assert closed.incident.resolution == Resolution.EXCLUDED
         assert closed.incident.rank == 0
         # Filters: by job, by tenant, by detection time.
-        assert len((await rpc(bus, "incident_list", {"job_id": "f3"}))["items"]) == 3  # type: ignore[arg-type]
-        assert (await rpc(bus, "incident_list", {"tenant": "other"}))["items"] == []
+        assert len((await scheduler_rpc(bus, "incident_list", {"job_id": "f3"}))["items"]) == 3  # type: ignore[arg-type]
+        assert (await scheduler_rpc(bus, "incident_list", {"tenant": "other"}))["items"] == []
         future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
-        assert (await rpc(bus, "incident_list", {"from": future}))["items"] == []
-        page = await rpc(bus, "incident_list", {"job_id": "f3", "limit": 2})
+        assert (await scheduler_rpc(bus, "incident_list", {"from": future}))["items"] == []
+        page = await scheduler_rpc(bus, "incident_list", {"job_id": "f3", "limit": 2})
         assert len(page["items"]) == 2  # type: ignore[arg-type]
         assert page["next_cursor"] == "2"
         with pytest.raises(RpcFailed) as bad:
-            await rpc(bus, "incident_list", {"resolution": "fixed"})
+            await scheduler_rpc(bus, "incident_list", {"resolution": "fixed"})
         assert bad.value.error.field == "resolution"
 
 
@@ -386,7 +375,7 @@ async def test_fault_of_a_replaced_member_opens_nothing(
         )
 
         async def moved() -> bool:
-            view = await rpc(bus, "job_get", {"job_id": "f4"})
+            view = await scheduler_rpc(bus, "job_get", {"job_id": "f4"})
             return view["generation"] == 2
 
         await wait_until(moved, what="generation 2 applied")
@@ -425,7 +414,7 @@ async def test_drain_event_and_rpc_move_every_rank_on_the_node_at_boundaries(
         assert {r.fault_kind for r in requests} == {FaultKind.PLANNED_DRAIN}
         assert {r.mode for r in requests} == {MigrationMode.BOUNDARY}
 
-        reply = await rpc(bus, "drain", {"node": "local-1"})
+        reply = await scheduler_rpc(bus, "drain", {"node": "local-1"})
         assert reply["cluster"] == "local"
         assert sorted(r["rank"] for r in reply["ranks"]) == [1, 3]  # type: ignore[union-attr, index]
 
@@ -434,7 +423,7 @@ async def test_drain_event_and_rpc_move_every_rank_on_the_node_at_boundaries(
 
         await wait_until(four, what="a migration per rank on local-1")
         with pytest.raises(RpcFailed) as bad:
-            await rpc(bus, "drain", {"node": "bad node!"})
+            await scheduler_rpc(bus, "drain", {"node": "bad node!"})
         assert bad.value.error.field == "node"
 
 
