@@ -353,6 +353,14 @@ async def test_node_rpc_and_return_to_service(
     assert "escalated" in again[1].evidence
 
 
+async def see_each_other(a: Detector, b: Detector) -> None:
+    """Two detector replicas both list the two as members (within 10 s)."""
+    deadline = time.monotonic() + 10
+    while len(a.membership.replicas) < 2 or len(b.membership.replicas) < 2:
+        assert time.monotonic() < deadline, "replicas never saw each other"
+        await asyncio.sleep(0.1)
+
+
 async def test_the_fleet_gauges_count_nodes_and_gpus_by_health_on_one_replica(
     nats_url: str, redis_url: str, redis: aioredis.Redis, bus: Bus, faults: Collector
 ) -> None:
@@ -363,10 +371,7 @@ async def test_the_fleet_gauges_count_nodes_and_gpus_by_health_on_one_replica(
         running_detector(nats_url, redis_url, detector_replica_id="r1") as a,
         running_detector(nats_url, redis_url, detector_replica_id="r2") as b,
     ):
-        deadline = time.monotonic() + 10
-        while len(a.membership.replicas) < 2 or len(b.membership.replicas) < 2:
-            assert time.monotonic() < deadline, "replicas never saw each other"
-            await asyncio.sleep(0.1)
+        await see_each_other(a, b)
         for node in ("f-a", "f-b", "f-c"):
             await send(bus, node, [sample(node, g, cluster="fl") for g in range(4)], cluster="fl")
         await send(
@@ -457,10 +462,7 @@ async def test_two_replicas_share_telemetry_and_agree_on_episodes(
         running_detector(nats_url, redis_url, detector_replica_id="r1") as a,
         running_detector(nats_url, redis_url, detector_replica_id="r2") as b,
     ):
-        deadline = time.monotonic() + 10
-        while len(a.membership.replicas) < 2 or len(b.membership.replicas) < 2:
-            assert time.monotonic() < deadline, "replicas never saw each other"
-            await asyncio.sleep(0.1)
+        await see_each_other(a, b)
         nodes = [f"s-{i}" for i in range(12)]
         t = time.time()
         for node in nodes:
