@@ -53,6 +53,7 @@ from torchrelay.dedupe import Deduper, MemoryDeduper, RedisDeduper
 from torchrelay.errors import (
     BusError,
     Conflict,
+    LeaseLost,
     NoResponder,
     NotFound,
     PermanentError,
@@ -131,6 +132,13 @@ class Bus(GenerationStore):
         self.job_id: str | None = None
         # Permission violations the server reported on this connection (newest last).
         self.refusals: list[str] = []
+        # An elected service's leader lease check (torchrelay.leadership): called before
+        # every publish, handler, ack and RPC answer, so a replica that lost it does nothing.
+        self.fence: Callable[[], None] | None = None
+
+    def _fenced(self) -> None:
+        if self.fence is not None:
+            self.fence()
 
     # ----------------------------------------------------------------- connection
 
@@ -327,6 +335,7 @@ class Bus(GenerationStore):
         Retries until ``retry_for`` (less than the stream's duplicate window), so a retried
         publish is deduplicated by the server.
         """
+        self._fenced()
         with tracer().start_as_current_span(f"publish {subject}", kind=SpanKind.PRODUCER) as sp:
             sp.set_attribute("messaging.message.id", event.event_id)
             headers = inject_headers({"Nats-Msg-Id": event.event_id})
@@ -490,6 +499,7 @@ class Bus(GenerationStore):
                 outcome = "skipped"
                 await msg.ack()
                 return
+            self._fenced()
             if await deduper.seen(event.event_id):
                 outcome = "duplicate"
                 await msg.ack()
@@ -525,6 +535,7 @@ class Bus(GenerationStore):
                         spec, msg, delivery, f"{type(exc).__name__}: {exc}", 1.0, headers
                     )
                     return
+            self._fenced()
             await deduper.mark(event.event_id)
             await msg.ack()
         finally:
@@ -641,6 +652,10 @@ class Bus(GenerationStore):
         running: set[asyncio.Task[None]] = set()
 
         async def _answer(msg: Msg) -> None:
+            try:
+                self._fenced()
+            except LeaseLost:
+                return  # a replica that lost its lease answers nothing: the caller retries
             outcome = "ok"
             started = time.perf_counter()
             ctx = context_from_headers(_headers(msg))

@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="listen on ADDR (NATS, Redis, API) instead of loopback, for other hosts",
     )
+    up.add_argument(
+        "--replicas",
+        default=None,
+        metavar="R",
+        help="R processes of every service, 1 to 5 (default: TORCHRELAY_SERVICE_REPLICAS, "
+        "else 1); the scheduler, executor and billing elect a leader, the rest share",
+    )
     down = sub.add_parser("down", help=COMMANDS["down"][2])
     down.add_argument("--state-dir", default=None)
 

@@ -85,9 +85,15 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), first
 
 
+class LeaseLost(RuntimeError):
+    """This replica no longer holds (or cannot be sure it holds) its service's leader lease
+    (torchrelay.leadership)."""
+
+
 __all__ = [
     "BusError",
     "Conflict",
+    "LeaseLost",
     "NoResponder",
     "NotFound",
     "PermanentError",

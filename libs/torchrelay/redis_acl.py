@@ -22,6 +22,9 @@ _REDIS_CONNECT = ("ping",)  # service.connect_redis, the detector's warm-up, the
 _REDIS_DEDUPE = ("exists", "set")  # bus.RedisDeduper, behind every ServiceContext.consume
 _REDIS_SCRIPTS = ("evalsha", "script|load")  # register_script: EVALSHA, SCRIPT LOAD on NOSCRIPT
 _REDIS_MULTI = ("multi", "exec")  # pipeline(transaction=True)
+# torchrelay.leadership: SET NX PX to take the lease, scripts to renew and release it
+# (PEXPIRE, DEL inside them), for the services that elect a leader among replicas.
+_REDIS_LEADER = ("set", "get", "pexpire", "del", *_REDIS_SCRIPTS)
 _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
     # services/api/auth.py TokenStore (no consumer: no dedupe)
     "api": (
@@ -32,6 +35,7 @@ _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
     # services/billing/ledger.py (Ledger, and in APPEND_LUA / CREATE_CONTRACT_LUA)
     "billing": (
         *_REDIS_CONNECT,
+        *_REDIS_LEADER,
         *_REDIS_DEDUPE,
         *_REDIS_SCRIPTS,
         *_REDIS_MULTI,
@@ -51,6 +55,7 @@ _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
     # services/migration_executor/store.py (ExecutorStore, and in its Lua) and service.py.
     "migration_executor": (
         *_REDIS_CONNECT,
+        *_REDIS_LEADER,
         *_REDIS_DEDUPE,
         *_REDIS_MULTI,
         "eval",
@@ -62,6 +67,7 @@ _REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
     # rendezvous (hosts.py, in its Lua)
     "scheduler": (
         *_REDIS_CONNECT,
+        *_REDIS_LEADER,
         *_REDIS_DEDUPE,
         *_REDIS_MULTI,
         *("watch", "unwatch", "eval"),

@@ -29,6 +29,7 @@ from torchrelay.bus import (
     cancel_until_done,
 )
 from torchrelay.contract import CONSUMERS, ConsumerSpec, Event
+from torchrelay.leadership import FencedRedis, LeaderLease, LeaseClock, LeaseLost
 from torchrelay.observability import (
     ServiceMetrics,
     configure_logging,
@@ -38,6 +39,14 @@ from torchrelay.settings import ServiceSettings, SettingsError, load_settings
 
 EXIT_CONFIG = 2
 EXIT_UNAVAILABLE = 3
+#: A leader that lost its lease exits with this (EX_TEMPFAIL); its supervisor restarts it
+#: as a standby, with none of the state it read before.
+EXIT_LEASE_LOST = 75
+
+#: Services whose work happens in one replica at a time (docs/design.md §10): the scheduler
+#: orders each job's events, the executor drives each saga, billing appends and closes
+#: terms. The others share their work across replicas (queue groups, atomic scripts).
+ELECTED_SERVICES = frozenset({"scheduler", "migration_executor", "billing"})
 
 
 @dataclass
@@ -163,7 +172,7 @@ async def connect_redis(
         )
     except ValueError as exc:
         raise SettingsError(f"REDIS_URL {url!r} is malformed: {exc}") from exc
-    client = aioredis.Redis.from_pool(pool)
+    client: aioredis.Redis = FencedRedis.from_pool(pool)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -219,8 +228,29 @@ async def serve_service(
 
     health = HealthServer(ctx, metrics, ready)
     port = await health.start(settings.http_host, settings.http_port)
+    lease: LeaderLease | None = None
+    lost: list[str] = []
     try:
         await bus.ensure_provisioned(settings.stream_replicas)
+        if name in ELECTED_SERVICES:
+            lease = LeaderLease(
+                redis_client, f"tr:{name}:leader", LeaseClock(settings.leader_ttl_s)
+            )
+            # A standby is ready (alive and reachable) with nothing set up yet.
+            ctx.readiness["role"] = "standby"
+            ready_flag = True
+            if not await _lead(lease, stop, log):
+                return
+            ctx.readiness["role"] = "leader"
+            bus.fence = lease.check
+            if isinstance(redis_client, FencedRedis):
+                redis_client.fence = lease.check
+
+            def _on_lost(why: str) -> None:
+                lost.append(why)
+                stop.set()
+
+            ctx.spawn(lease.keep(_on_lost), "leader-lease")
         await setup(ctx)
         # Ready means reachable: the server has every subscription the setup made (a
         # request sent the moment readiness shows would otherwise find no responder).
@@ -232,6 +262,10 @@ async def serve_service(
         await stop.wait()
         log.info("stopping")
     finally:
+        if lost:
+            log.error("lost the leader lease (%s): exiting to restart as a standby", lost[0])
+        elif lease is not None and lease.held:
+            await lease.release()
         for task in ctx.tasks:
             task.cancel()
         for task in ctx.tasks:
@@ -245,6 +279,23 @@ async def serve_service(
         await bus.close()
         await redis_client.aclose()
         provider.shutdown()
+    if lost:
+        raise LeaseLost(lost[0])
+
+
+async def _lead(lease: LeaderLease, stop: asyncio.Event, log: logging.Logger) -> bool:
+    """Wait as a standby until this replica leads (True) or the service stops (False)."""
+    acquiring = asyncio.ensure_future(lease.acquire())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (acquiring, stopping):
+            await cancel_until_done(task)
+    if acquiring.done() and not acquiring.cancelled() and acquiring.exception() is None:
+        log.info("leading", extra={"lease": lease.key})
+        return True
+    return False
 
 
 def run_service(
@@ -264,3 +315,6 @@ def run_service(
     except BusError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_UNAVAILABLE) from exc
+    except LeaseLost as exc:
+        print(f"{name}: {exc}; exiting to restart as a standby", file=sys.stderr)
+        raise SystemExit(EXIT_LEASE_LOST) from exc

@@ -88,6 +88,9 @@ class ServiceSettings(CommonSettings):
     auth_issuer_seed_file: Path | None = None
     # The scheduler's system-account user that closes a revoked job's connections.
     nats_revoker_credentials: Path | None = None
+    # An elected service's leader lease (torchrelay.leadership): a standby takes over this
+    # long after its leader died or froze.
+    leader_ttl_s: float = Field(default=2.0, ge=0.1, le=60)
 
     @model_validator(mode="after")
     def _production_needs_auth(self) -> ServiceSettings:

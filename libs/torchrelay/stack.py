@@ -42,6 +42,28 @@ log = logging.getLogger("torchrelay.stack")
 
 READY_TIMEOUT_S = 60.0
 MAX_BACKOFF_S = 8.0
+MAX_SERVICE_REPLICAS = 5
+
+
+def service_replicas(raw: str | None) -> int:
+    """``--replicas`` / ``TORCHRELAY_SERVICE_REPLICAS``: processes per service, 1 to 5."""
+    if raw is None or raw.strip() == "":
+        return 1
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_SERVICE_REPLICAS:
+        raise ValueError(
+            f"--replicas {raw!r}: give a whole number of processes per service, "
+            f"1 to {MAX_SERVICE_REPLICAS}"
+        )
+    return count
+
+
+def instance_key(service: str, replica: int) -> str:
+    """The supervisor's name of one process: the service's name for its first replica."""
+    return service if replica == 0 else f"{service}.{replica}"
 
 
 def state_dir_from(arg: str | None) -> Path:
@@ -87,6 +109,7 @@ class ManagedService:
     ready: bool = False
     died_unready: bool = False  # its last run ended before it was ever ready
     host: str = "127.0.0.1"  # where its HTTP server listens
+    replica: int = 0  # its place among the service's processes (``--replicas``)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +151,10 @@ class Supervisor:
     # ``torchrelay up --bind ADDR``: NATS, Redis and the API listen on ADDR, for hosts
     # elsewhere (the other services' health endpoints stay on loopback).
     bind: str = field(default_factory=lambda: os.environ.get("TORCHRELAY_BIND") or "127.0.0.1")
+    # ``torchrelay up --replicas R``: R processes of every service (docs/design.md §10).
+    replicas: int = field(
+        default_factory=lambda: service_replicas(os.environ.get("TORCHRELAY_SERVICE_REPLICAS"))
+    )
 
     def _auth_bundle(self) -> AuthBundle | None:
         """The stack's credentials: generated under ``<state>/auth`` for embedded servers,
@@ -180,10 +207,15 @@ class Supervisor:
             base.setdefault("TORCHRELAY_ENVIRONMENT", "development")
         if self.operator_token:
             base["TORCHRELAY_OPERATOR_TOKEN"] = self.operator_token
-        for name in SERVICES:
+        for name, replica in [(n, r) for n in SERVICES for r in range(self.replicas)]:
             host = self.bind if name == "api" else "127.0.0.1"
             port = free_port(host)
-            env = dict(base, TORCHRELAY_HTTP_PORT=str(port), TORCHRELAY_HTTP_HOST=host)
+            env = dict(
+                base,
+                TORCHRELAY_HTTP_PORT=str(port),
+                TORCHRELAY_HTTP_HOST=host,
+                TORCHRELAY_REPLICA=str(replica),
+            )
             if self.auth is not None and self.nats_auth:
                 env["TORCHRELAY_NATS_CREDENTIALS"] = str(self.auth.cred_path(name))
                 if name == "scheduler":
@@ -194,10 +226,13 @@ class Supervisor:
             if self.auth is not None and redis_host is not None and redis_port is not None:
                 # Each service its own Redis user, limited to its key prefix.
                 env["REDIS_URL"] = self.auth.redis_url(redis_host, redis_port, role=name)
-            log_file = self.state_dir / "logs" / f"{name}.log"
-            svc = ManagedService(name, port, with_services_path(env), log_file, host=host)
+            key = instance_key(name, replica)
+            log_file = self.state_dir / "logs" / f"{key}.log"
+            svc = ManagedService(
+                name, port, with_services_path(env), log_file, host=host, replica=replica
+            )
             svc.start()
-            self.services[name] = svc
+            self.services[key] = svc
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             self.tick()
@@ -280,10 +315,7 @@ class Supervisor:
                 if self.auth is not None and self.nats_auth
                 else {}
             ),
-            "services": {
-                n: {"pid": s.proc.pid if s.proc else None, "port": s.port, "restarts": s.restarts}
-                for n, s in self.services.items()
-            },
+            "services": self._services_json(),
             "servers": {n: {"pid": s.pid, "port": s.port} for n, s in self.servers.items()},
             "supervisor_pid": os.getpid(),
         }
@@ -291,6 +323,18 @@ class Supervisor:
         tmp.write_text(json.dumps(data, indent=2))
         tmp.chmod(0o600)  # it holds the operator token
         tmp.replace(self.state_dir / "stack.json")
+
+    def _services_json(self) -> dict[str, Any]:
+        """stack.json's ``services``: each service's first process, and with ``--replicas``
+        every process under ``replicas``."""
+        out: dict[str, Any] = {}
+        for svc in self.services.values():
+            one = {"pid": svc.proc.pid if svc.proc else None, "port": svc.port}
+            one["restarts"] = svc.restarts
+            entry = out.setdefault(svc.name, dict(one))
+            if self.replicas > 1:
+                entry.setdefault("replicas", []).append(one)
+        return out
 
     def stop(self) -> None:
         self.stopping = True
@@ -378,6 +422,14 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"--bind {bind!r}: give an IP address of this host", file=sys.stderr)
             return 2
         os.environ["TORCHRELAY_BIND"] = bind  # the supervisor (here or detached) reads it
+    replicas = getattr(args, "replicas", None)
+    try:
+        service_replicas(replicas or os.environ.get("TORCHRELAY_SERVICE_REPLICAS"))
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if replicas:
+        os.environ["TORCHRELAY_SERVICE_REPLICAS"] = str(replicas)
     existing = read_stack(state_dir)
     if existing and _pid_alive(existing.get("supervisor_pid")):
         print(
