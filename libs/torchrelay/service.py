@@ -292,10 +292,13 @@ async def _lead(lease: LeaderLease, stop: asyncio.Event, log: logging.Logger) ->
     finally:
         for task in (acquiring, stopping):
             await cancel_until_done(task)
-    if acquiring.done() and not acquiring.cancelled() and acquiring.exception() is None:
-        log.info("leading", extra={"lease": lease.key})
-        return True
-    return False
+    if not acquiring.done() or acquiring.cancelled():
+        return False
+    failed = acquiring.exception()
+    if failed is not None:
+        raise failed  # e.g. the ACL refuses the lease's commands: say so, do not idle
+    log.info("leading", extra={"lease": lease.key})
+    return True
 
 
 def run_service(

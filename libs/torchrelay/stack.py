@@ -55,7 +55,8 @@ def service_replicas(raw: str | None) -> int:
         count = 0
     if not 1 <= count <= MAX_SERVICE_REPLICAS:
         raise ValueError(
-            f"--replicas {raw!r}: give a whole number of processes per service, "
+            f"--replicas / TORCHRELAY_SERVICE_REPLICAS {raw!r}: give a whole number of "
+            "processes per service, "
             f"1 to {MAX_SERVICE_REPLICAS}"
         )
     return count
@@ -109,7 +110,6 @@ class ManagedService:
     ready: bool = False
     died_unready: bool = False  # its last run ended before it was ever ready
     host: str = "127.0.0.1"  # where its HTTP server listens
-    replica: int = 0  # its place among the service's processes (``--replicas``)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,9 +228,7 @@ class Supervisor:
                 env["REDIS_URL"] = self.auth.redis_url(redis_host, redis_port, role=name)
             key = instance_key(name, replica)
             log_file = self.state_dir / "logs" / f"{key}.log"
-            svc = ManagedService(
-                name, port, with_services_path(env), log_file, host=host, replica=replica
-            )
+            svc = ManagedService(name, port, with_services_path(env), log_file, host=host)
             svc.start()
             self.services[key] = svc
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -329,8 +327,8 @@ class Supervisor:
         every process under ``replicas``."""
         out: dict[str, Any] = {}
         for svc in self.services.values():
-            one = {"pid": svc.proc.pid if svc.proc else None, "port": svc.port}
-            one["restarts"] = svc.restarts
+            pid = svc.proc.pid if svc.proc else None
+            one = {"pid": pid, "port": svc.port, "restarts": svc.restarts}
             entry = out.setdefault(svc.name, dict(one))
             if self.replicas > 1:
                 entry.setdefault("replicas", []).append(one)

@@ -12,6 +12,7 @@ With a migration in flight (a rank SIGKILLed just before):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -74,8 +75,41 @@ def leader(stack: Stack, name: str, timeout: float = 30) -> int:
     return int(wait_until(one, timeout, f"one leader of {name}", 0.2))
 
 
-def _job(stack: Stack, tmp_path: Path, what: str, service: str) -> chaoslib.Job:
-    return chaoslib.start_job(stack, tmp_path, f"{what}-{service.replace('_', '-')}", spares=1)
+@contextlib.contextmanager
+def migration_in_flight(
+    stack: Stack,
+    contract_id: str,
+    references: References,
+    rec: chaoslib.Recorder,
+    job_id: str,
+    tmp_path: Path,
+) -> Iterator[chaoslib.Job]:
+    """A chaos job with rank 1 just SIGKILLed (its migration in flight) for the body's fault;
+    then the job must finish, every replica be back and the suite's invariants hold."""
+    reference = references.get(stack)
+    before = chaoslib.baseline(stack, contract_id)
+    job = chaoslib.start_job(stack, tmp_path, job_id, spares=1)
+    try:
+        chaoslib.wait_mid_run(stack, job)
+        chaoslib.kill_rank(stack, job.job_id, 1)
+        yield job
+        chaoslib.wait_job_ok(job)
+    finally:
+        job.stop()
+    for service in SERVICES:
+        _both_ready(stack, service)
+    chaoslib.check_invariants(
+        stack, contract_id, before, job, [chaoslib.Expect(rank=1)], rec, reference=reference
+    )
+
+
+def _standby_takes_over(
+    stack: Stack, service: str, old: int, timeout: float, rec: chaoslib.Recorder
+) -> None:
+    if service in ELECTED_SERVICES:
+        # The other replica takes the lease once it lapses (a TTL of 2 s).
+        assert leader(stack, service, timeout=timeout) != old
+        rec.ok(f"a standby of {service} took the lease from pid {old}")
 
 
 @pytest.mark.parametrize(
@@ -93,28 +127,13 @@ def test_kill_one_replica_during_migration(
     rec: chaoslib.Recorder,
     tmp_path: Path,
 ) -> None:
-    reference = references.get(chaos_stack)
-    before = chaoslib.baseline(chaos_stack, contract_id)
     first = leader(chaos_stack, service)
-    job = _job(chaos_stack, tmp_path, "replica-kill", service)
-    try:
-        chaoslib.wait_mid_run(chaos_stack, job)
-        chaoslib.kill_rank(chaos_stack, job.job_id, 1)
+    job_id = f"replica-kill-{service.replace('_', '-')}"
+    with migration_in_flight(chaos_stack, contract_id, references, rec, job_id, tmp_path):
         os.kill(first, signal.SIGKILL)
         chaoslib.trace(f"SIGKILL to {service}'s leading replica (pid {first})")
-        if service in ELECTED_SERVICES:
-            # The other replica takes the lease once it lapses (a TTL of 2 s).
-            took = leader(chaos_stack, service, timeout=20)
-            assert took != first
-            rec.ok(f"a standby of {service} took the lease")
-        chaoslib.wait_job_ok(job)
-    finally:
-        job.stop()
+        _standby_takes_over(chaos_stack, service, first, 20, rec)
     # The supervisor brought the killed replica back; one replica leads, the other stands by.
-    _both_ready(chaos_stack, service)
-    chaoslib.check_invariants(
-        chaos_stack, contract_id, before, job, [chaoslib.Expect(rank=1)], rec, reference=reference
-    )
     roles = sorted(str(role) for _, _, role in replicas(chaos_stack, service))
     expected = ["leader", "standby"] if service in ELECTED_SERVICES else ["shared", "shared"]
     assert roles == expected, roles
@@ -136,21 +155,14 @@ def test_pause_a_replica_for_20s_during_migration(
     rec: chaoslib.Recorder,
     tmp_path: Path,
 ) -> None:
-    reference = references.get(chaos_stack)
-    before = chaoslib.baseline(chaos_stack, contract_id)
     paused = leader(chaos_stack, service)
-    job = _job(chaos_stack, tmp_path, "replica-pause", service)
-    try:
-        chaoslib.wait_mid_run(chaos_stack, job)
-        chaoslib.kill_rank(chaos_stack, job.job_id, 1)
+    job_id = f"replica-pause-{service.replace('_', '-')}"
+    with migration_in_flight(chaos_stack, contract_id, references, rec, job_id, tmp_path):
         os.kill(paused, signal.SIGSTOP)
         stopped_at = time.monotonic()
         chaoslib.trace(f"SIGSTOP to {service}'s leading replica (pid {paused})")
         try:
-            if service in ELECTED_SERVICES:
-                took = leader(chaos_stack, service, timeout=15)
-                assert took != paused
-                rec.ok(f"a standby of {service} took the lease from the paused leader")
+            _standby_takes_over(chaos_stack, service, paused, 15, rec)
             time.sleep(max(0.0, PAUSE_S - (time.monotonic() - stopped_at)))
         finally:
             os.kill(paused, signal.SIGCONT)
@@ -163,13 +175,6 @@ def test_pause_a_replica_for_20s_during_migration(
             log = _log_of(chaos_stack, service)
             assert "lost the leader lease" in log, log[-2000:]
             rec.ok(f"the woken {service} exited on its lapsed lease")
-        chaoslib.wait_job_ok(job)
-    finally:
-        job.stop()
-    _both_ready(chaos_stack, service)
-    chaoslib.check_invariants(
-        chaos_stack, contract_id, before, job, [chaoslib.Expect(rank=1)], rec, reference=reference
-    )
     if service in ELECTED_SERVICES:
         assert leader(chaos_stack, service) != paused
         rec.ok(f"one leader of {service} after the pause")

@@ -45,14 +45,20 @@ async def test_one_replica_leads_and_a_standby_takes_over_when_it_lapses(
         await a.renew()
 
 
-async def test_a_leader_paused_past_its_deadline_acts_on_nothing_when_it_wakes(
-    redis: aioredis.Redis,
-) -> None:
+async def fenced_leader(redis: aioredis.Redis) -> tuple[Clock, LeaderLease, FencedRedis]:
+    """A leader on a hand-moved clock, and a client fenced by its lease."""
     now = Clock()
     lease = LeaderLease(redis, "tr:svc:leader", LeaseClock(ttl_s=5.0), now=now)
     assert await lease.try_acquire()
     fenced = FencedRedis(connection_pool=redis.connection_pool)
     fenced.fence = lease.check
+    return now, lease, fenced
+
+
+async def test_a_leader_paused_past_its_deadline_acts_on_nothing_when_it_wakes(
+    redis: aioredis.Redis,
+) -> None:
+    now, lease, fenced = await fenced_leader(redis)
     await fenced.set("tr:svc:x", "before")
     now.t += 20.0  # SIGSTOP for 20 s: the monotonic clock went on
     with pytest.raises(LeaseLost, match="lapsed"):
@@ -66,11 +72,7 @@ async def test_a_leader_paused_past_its_deadline_acts_on_nothing_when_it_wakes(
 
 
 async def test_a_pipeline_checks_the_fence_when_it_executes(redis: aioredis.Redis) -> None:
-    now = Clock()
-    lease = LeaderLease(redis, "tr:svc:leader", LeaseClock(ttl_s=5.0), now=now)
-    assert await lease.try_acquire()
-    fenced = FencedRedis(connection_pool=redis.connection_pool)
-    fenced.fence = lease.check
+    now, _, fenced = await fenced_leader(redis)
     pipe = fenced.pipeline()
     pipe.set("tr:svc:y", "stale")
     now.t += 6.0
